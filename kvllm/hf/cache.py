@@ -1,0 +1,175 @@
+"""A transformers ``Cache`` that compresses generated tokens as it decodes.
+
+Each layer keeps physical K/V ``[B, Hkv, N, D]``, a validity mask ``[B, Hkv, N]``
+(left padding, and the slots a variable-budget method drops by masking) and a ring of
+the last W + b + P post-RoPE queries, filled by :mod:`kvllm.hf.attention`. After every
+decode step :meth:`KaraCache.end_step` asks the policy for a region, the method for
+kept indices, and compacts every layer.
+
+Rows of a batch are left-padded to one prompt length, so their tails grow together and
+they are compressed at the same steps over the same slot range: one
+:class:`~kvllm.policy.SeqState` in padded coordinates serves the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvllm.compaction import compact
+from kvllm.config import CompressionConfig
+from kvllm.methods import Window, build
+from kvllm.policy import Region, SeqState, build_policy
+
+
+@dataclass(frozen=True)
+class SeqStats:
+    """Cache statistics of one generated sequence.
+
+    ``compress_seconds`` is the sequence's even share of its batch's compression time.
+    """
+
+    logical_length: int
+    physical_length: int
+    compressions: int
+    compress_seconds: float
+
+
+class CompressedLayer(DynamicLayer):
+    """One layer's K/V plus what compression needs: slot validity and recent queries."""
+
+    def __init__(self, ring: int) -> None:
+        super().__init__()
+        self.ring = ring
+        self.valid: Tensor | None = None
+        self.queries: Tensor | None = None
+        self.incoming_valid: Tensor | None = None
+        self.seen = 0
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        new = self.incoming_valid.unsqueeze(1).expand(-1, key_states.shape[1], -1)
+        self.valid = new if self.valid is None else torch.cat([self.valid, new], dim=2)
+        return keys, values
+
+    def capture(self, query: Tensor) -> None:
+        """Remember the post-RoPE queries ``[B, Hq, q, D]`` of this forward's tokens."""
+        if self.queries is None:
+            b, hq, _, d = query.shape
+            self.queries = query.new_zeros(b, hq, self.ring, d)
+        q_len = query.shape[2]
+        keep = min(q_len, self.ring)
+        slots = torch.arange(self.seen + q_len - keep, self.seen + q_len, device=query.device) % self.ring
+        self.queries[:, :, slots] = query[:, :, q_len - keep :]
+        self.seen += q_len
+
+    def attention_bias(self, q_len: int, dtype: torch.dtype, groups: int) -> Tensor:
+        """Additive mask ``[B, Hq, q_len, N]``: 0 where a query may attend, else the
+        dtype's minimum (as transformers' eager mask, so that a row with no valid key
+        stays finite). The ``q_len`` queries are the last slots (causal among them)."""
+        n = self.valid.shape[-1]
+        allowed = self.valid.unsqueeze(2)
+        if q_len > 1:
+            q_pos = torch.arange(n - q_len, n, device=allowed.device).unsqueeze(1)
+            allowed = allowed & (torch.arange(n, device=allowed.device).unsqueeze(0) <= q_pos)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        bias.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return bias.repeat_interleave(groups, dim=1) if groups > 1 else bias
+
+
+class KaraCache(Cache):
+    """Compressing KV cache for the reference backend.
+
+    Parameters
+    ----------
+    model_config
+        The model's config (for its layer count).
+    config
+        What to compress, when, and how much. ``None`` never compresses.
+    pad_lengths
+        Left padding of each row of the batch.
+    """
+
+    def __init__(
+        self, model_config: PretrainedConfig, config: CompressionConfig | None, pad_lengths: list[int]
+    ) -> None:
+        ring = config.query_buffer_len if config is not None else 1
+        super().__init__(layers=[CompressedLayer(ring) for _ in range(model_config.num_hidden_layers)])
+        self.compression = config
+        self.method = build(config) if config is not None else None
+        self.policy = build_policy(config) if config is not None else None
+        self.pad_lengths = pad_lengths
+        self.state: SeqState | None = None
+        self.step = 0
+        self.compress_seconds = 0.0
+
+    def begin_step(self, token_valid: Tensor) -> None:
+        """Announce the next forward's tokens: ``[B, q]``, False for padding."""
+        for layer in self.layers:
+            layer.incoming_valid = token_valid.bool()
+
+    def end_step(self) -> None:
+        """Book the forward just run; after a decode step, maybe compress."""
+        q_len = self.layers[0].incoming_valid.shape[1]
+        if self.state is None:
+            self.state = SeqState(prompt_len=q_len)
+            return
+        self.state.append(q_len)
+        self.step += 1
+        if self.policy is None:
+            return
+        region = self.policy.plan(self.state, self.step)
+        if region is not None:
+            t0 = time.perf_counter()
+            self._compress(region)
+            self.compress_seconds += time.perf_counter() - t0
+
+    def _compress(self, region: Region) -> None:
+        state = self.state
+        first = self.layers[0]
+        # Tail slots were never compressed: padded token index = slot + dropped slots.
+        dropped = state.logical_length - state.length
+        q_from = region.start + region.span - region.n_queries + dropped
+        slots = torch.arange(q_from, q_from + region.n_queries, device=first.keys.device) % first.ring
+        span = slice(region.start, region.start + region.span)
+        window = Window(
+            queries=torch.stack([layer.queries[:, :, slots] for layer in self.layers], dim=1),
+            keys=torch.stack([layer.keys[:, :, span] for layer in self.layers], dim=1),
+            n_compress=region.n_compress,
+        )
+        selection = self.method.select(window, region.budget)
+        for i, layer in enumerate(self.layers):
+            idx = selection.indices[:, i]
+            layer.keys = compact(layer.keys, region.start, region.n_compress, idx)
+            layer.values = compact(layer.values, region.start, region.n_compress, idx)
+            valid = compact(layer.valid, region.start, region.n_compress, idx)
+            if selection.valid is not None:
+                kept = slice(region.start, region.start + idx.shape[-1])
+                valid[:, :, kept] &= selection.valid[:, i]
+            layer.valid = valid
+        # A variable-budget method pads its rows to the widest; the padding is masked.
+        self.policy.commit(state, dataclasses.replace(region, budget=selection.indices.shape[-1]))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Physical slots held (transformers' notion of the cache length)."""
+        return 0 if self.state is None else self.state.length
+
+    def stats(self) -> list[SeqStats]:
+        """Per-row statistics, without each row's left padding."""
+        state = self.state
+        share = self.compress_seconds / max(1, len(self.pad_lengths))
+        return [
+            SeqStats(
+                logical_length=state.logical_length - pad,
+                physical_length=state.length - pad,
+                compressions=state.rounds,
+                compress_seconds=share,
+            )
+            for pad in self.pad_lengths
+        ]

@@ -1,0 +1,150 @@
+"""Batched generation on transformers with a compressing cache (the reference backend).
+
+The loop is our own rather than ``model.generate`` so that positions stay logical
+after compaction: RoPE positions count every token a row has seen, while the cache
+holds fewer slots. Positions follow ``model.generate``'s rule for left padding
+(cumulative attention mask - 1), so without compression both produce the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from kvllm.config import CompressionConfig
+from kvllm.hf import attention
+from kvllm.hf.cache import KaraCache, SeqStats
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of :func:`generate`, one entry per prompt."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    stats: list[SeqStats]
+
+
+def _next_tokens(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    probs = (logits.float() / temperature).softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        # Drop a token once the tokens before it already cover top_p.
+        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    config: CompressionConfig | None,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+    on_step: Callable[[int], None] | None = None,
+) -> Generation:
+    """Generate continuations of ``prompts`` as one left-padded batch.
+
+    Parameters
+    ----------
+    model, tokenizer
+        A transformers causal LM (Qwen3, Qwen2, Llama, ...) and its tokenizer.
+    prompts
+        Raw prompt texts (apply a chat template beforehand if the model wants one).
+    config
+        Compression settings; ``None`` disables compression.
+    max_new_tokens
+        Tokens to generate per prompt at most.
+    temperature, top_p, seed
+        Sampling; ``temperature=0`` is greedy.
+    stop_at_eos
+        Stop a row at the tokenizer's EOS token (rows that stop are fed EOS and masked
+        out of the text, as ``model.generate`` pads them).
+    on_step
+        Called with the number of tokens generated so far (for progress bars).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    device = model.device
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left")
+    input_ids = enc["input_ids"].to(device)
+    mask = enc["attention_mask"].to(device)
+    pad_lengths = (mask.shape[1] - mask.sum(1)).tolist()
+    cache = KaraCache(model.config, config, pad_lengths)
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    eos = tokenizer.eos_token_id if stop_at_eos else None
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    # Our attention reads the cache's slot validity; transformers builds no mask for an
+    # implementation it has no mask function for (its mask assumes slots == positions).
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(attention.NAME)
+    try:
+        cache.begin_step(mask)
+        logits = model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=cache,
+            kvllm_cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        cache.end_step()
+        out: list[Tensor] = []
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        # A row that stops keeps being fed EOS with the batch; its statistics are
+        # taken when it stops.
+        stats: list[SeqStats | None] = [None] * len(prompts)
+        position = positions[:, -1:]
+        for step in range(max_new_tokens):
+            token = _next_tokens(logits, temperature, top_p, generator)
+            if eos is not None:
+                token = token.masked_fill(done, eos)
+                newly = (token == eos) & ~done
+                done |= newly
+                for row in newly.nonzero().flatten().tolist():
+                    stats[row] = cache.stats()[row]
+            out.append(token)
+            if on_step is not None:
+                on_step(step + 1)
+            if step + 1 == max_new_tokens or bool(done.all()):
+                break
+            position = position + 1
+            cache.begin_step(torch.ones_like(token).unsqueeze(1))
+            logits = model(
+                input_ids=token.unsqueeze(1),
+                position_ids=position,
+                past_key_values=cache,
+                kvllm_cache=cache,
+                use_cache=True,
+            ).logits[:, -1]
+            cache.end_step()
+    finally:
+        model.set_attn_implementation(previous)
+
+    generated = torch.stack(out, dim=1).tolist()
+    token_ids = [_until_eos(row, eos) for row in generated]
+    texts = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
+    final = cache.stats()
+    return Generation(
+        texts=texts, token_ids=token_ids, stats=[s if s is not None else f for s, f in zip(stats, final, strict=True)]
+    )
+
+
+def _until_eos(row: list[int], eos: int | None) -> list[int]:
+    """The row's tokens up to and including its first EOS."""
+    if eos is not None and eos in row:
+        return row[: row.index(eos) + 1]
+    return row

@@ -1,0 +1,112 @@
+"""Attention-based importance scores shared by the methods, all computed in fp32."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kvllm.methods.base import Window
+
+# Bound on one chunk's attention matrix (elements), so that a large batch of windows
+# is scored in pieces instead of materialising gigabytes at once.
+_MAX_CHUNK_ELEMENTS = 1 << 26
+
+
+def attention_scores(window: Window, *, causal: bool, last_queries: int | None = None) -> Tensor:
+    """Column sums of softmax attention, per KV head, over the window's keys.
+
+    ``A_g = softmax(Q_g K^T / sqrt(d))`` for every query head ``g`` of a KV head's GQA
+    group; the score of key ``i`` is ``sum_g sum_j A_g[j, i]`` (DESIGN.md §3).
+
+    Parameters
+    ----------
+    window
+        The queries and keys; the queries are those of the span's last tokens.
+    causal
+        Mask key ``i`` from query ``j`` when ``i`` comes after ``j``'s own token.
+        ``False`` gives Kara's bidirectional scoring.
+    last_queries
+        Use only the last this many queries (the SnapKV observation window).
+
+    Returns
+    -------
+    Tensor
+        ``[B, L, Hkv, N]`` fp32 scores for all ``N`` keys of the span.
+    """
+    q, k = window.queries, window.keys
+    if last_queries is not None:
+        q = q[..., -last_queries:, :]
+    b, n_layers, hq, nq, d = q.shape
+    hkv, n = k.shape[2], k.shape[3]
+    g = hq // hkv
+    # One (sequence, layer, KV head) per bmm batch entry; its group's queries stacked.
+    heads = b * n_layers * hkv
+    qf = q.reshape(heads, g * nq, d)
+    kf = k.reshape(heads, n, d)
+    mask = None
+    if causal:
+        # Query j is the token at span position n - nq + j.
+        q_pos = torch.arange(n - nq, n, device=k.device).unsqueeze(1)
+        mask = torch.arange(n, device=k.device).unsqueeze(0) > q_pos
+    step = max(1, _MAX_CHUNK_ELEMENTS // (g * nq * n))
+    out = torch.empty(heads, n, dtype=torch.float32, device=k.device)
+    for lo in range(0, heads, step):
+        logits = torch.bmm(qf[lo : lo + step].float(), kf[lo : lo + step].float().transpose(1, 2))
+        logits *= d**-0.5
+        if mask is not None:
+            logits.view(-1, g, nq, n).masked_fill_(mask, float("-inf"))
+        # Softmax without materialising the normalised matrix: with E = exp(logits - max)
+        # and row sums z, sum_j A[j, i] = sum_j E[j, i] / z_j, a single batched matvec.
+        logits -= logits.amax(dim=-1, keepdim=True)
+        exp = logits.exp_()
+        inv_z = exp.sum(dim=-1).reciprocal_().unsqueeze(1)
+        out[lo : lo + step] = torch.bmm(inv_z, exp).squeeze(1)
+    return out.view(b, n_layers, hkv, n)
+
+
+def snapkv_scores(window: Window, obs_window: int, pool_kernel: int) -> Tensor:
+    """SnapKV importance of the compressible keys: ``[B, L, Hkv, C]`` fp32.
+
+    Causal attention of the last ``obs_window`` queries, summed over them and the GQA
+    group, then average-pooled along the keys with ``pool_kernel`` (stride 1, zero
+    padding counted), as in SnapKV's reference code.
+    """
+    nq = min(obs_window, window.queries.shape[3])
+    s = attention_scores(window, causal=True, last_queries=nq)[..., : window.n_compress]
+    if pool_kernel > 1:
+        shape = s.shape
+        s = F.avg_pool1d(s.reshape(-1, 1, shape[-1]), pool_kernel, stride=1, padding=pool_kernel // 2)
+        s = s.view(shape)
+    return s
+
+
+def topk_sorted(scores: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest entries of the last dim, sorted ascending."""
+    return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+
+def topk_variable(scores: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-row top-``counts`` of ``scores`` for methods whose counts differ by row.
+
+    Parameters
+    ----------
+    scores
+        ``[..., C]`` scores.
+    counts
+        Integer tensor broadcastable to ``scores.shape[:-1]``, each in ``[0, C]``.
+
+    Returns
+    -------
+    tuple[Tensor, Tensor]
+        ``indices`` and ``valid``, both ``[..., max(counts)]``: each row's valid
+        indices first, ascending; padding entries are 0 and not valid.
+    """
+    c = scores.shape[-1]
+    counts = counts.expand(scores.shape[:-1])
+    width = int(counts.max())
+    top = scores.topk(width, dim=-1).indices
+    valid = torch.arange(width, device=scores.device) < counts.unsqueeze(-1)
+    # Push the padding past every real index, sort, then point it at index 0.
+    ordered = top.masked_fill(~valid, c).sort(dim=-1).values
+    return ordered.masked_fill(ordered == c, 0), ordered < c

@@ -1,0 +1,138 @@
+"""WHEN to compress and WHAT region: the policies of DESIGN.md §4.
+
+A policy reads a sequence's lengths and answers with a :class:`Region` (or nothing).
+It never touches tensors; a backend gathers the region's queries and keys, asks a
+method for kept indices, compacts its storage, then calls :meth:`Policy.commit`.
+All positions here are *physical* slot indices of one sequence.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from kvllm.config import CompressionConfig
+
+
+@dataclass
+class SeqState:
+    """One sequence's compression bookkeeping.
+
+    Attributes
+    ----------
+    prompt_len
+        Physical slots of the prompt; never compressed.
+    length
+        Physical slots in use: prompt + kept history + tail.
+    tail_start
+        First physical slot of the uncompressed tail.
+    logical_length
+        Tokens the sequence has seen; RoPE positions count from it.
+    rounds
+        Compression rounds run on this sequence.
+    """
+
+    prompt_len: int
+    length: int = 0
+    tail_start: int = 0
+    logical_length: int = 0
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        self.length = max(self.length, self.prompt_len)
+        self.tail_start = max(self.tail_start, self.prompt_len)
+        self.logical_length = max(self.logical_length, self.length)
+
+    @property
+    def tail(self) -> int:
+        return self.length - self.tail_start
+
+    def append(self, n: int = 1) -> None:
+        """``n`` new tokens were cached."""
+        self.length += n
+        self.logical_length += n
+
+
+@dataclass(frozen=True)
+class Region:
+    """What to compress in one sequence, in physical slots.
+
+    The scoring span is ``[start, start + span)``; its first ``n_compress`` slots are
+    compressible and shrink to ``budget``; the queries that score it are those of the
+    span's last ``n_queries`` tokens.
+    """
+
+    start: int
+    n_compress: int
+    span: int
+    n_queries: int
+    budget: int
+
+    @property
+    def freed(self) -> int:
+        """Slots released by the round."""
+        return self.n_compress - self.budget
+
+
+class Policy(ABC):
+    """Decides compression rounds; one instance serves every sequence of an engine."""
+
+    def __init__(self, config: CompressionConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def plan(self, state: SeqState, step: int) -> Region | None:
+        """The region to compress after decode step ``step`` (1-based), if any."""
+
+    def commit(self, state: SeqState, region: Region) -> None:
+        """Update ``state`` once the backend has compacted ``region``."""
+        state.length -= region.freed
+        # The uncompressed tail now starts right after the kept slots.
+        state.tail_start = region.start + region.budget
+        state.rounds += 1
+
+
+class PeriodicWindowPolicy(Policy):
+    """Kara's policy: every P steps, compress each eligible sequence's next window once.
+
+    A sequence is eligible when its uncompressed tail holds at least W + b tokens. The
+    window is the first W + b tokens of the tail; its first W (the area C) shrink to
+    m = max(1, round(r * W)). The buffer's b tokens are not compressed this round: they
+    open the next window, so each generated token is compressed at most once.
+    """
+
+    def plan(self, state: SeqState, step: int) -> Region | None:
+        cfg = self.config
+        span = cfg.window + cfg.buffer
+        if step % cfg.period or state.tail < span:
+            return None
+        return Region(state.tail_start, cfg.window, span, span, cfg.budget)
+
+
+class ThresholdPolicy(Policy):
+    """SnapKV / R-KV style baseline: recompress the whole generated region at a size.
+
+    With G generated slots (everything after the prompt), a round triggers when
+    G >= budget + interval. The last ``window`` slots are the observation part and
+    stay; everything generated before them is compressed to ``budget - window``
+    slots, so G = budget afterwards. Cost grows with the cache, and rounds grow with
+    concurrency: this is the policy that shows the concurrency-throughput inversion.
+    """
+
+    def plan(self, state: SeqState, step: int) -> Region | None:
+        cfg = self.config
+        generated = state.length - state.prompt_len
+        if generated < cfg.threshold_budget + cfg.threshold_interval:
+            return None
+        return Region(
+            start=state.prompt_len,
+            n_compress=generated - cfg.window,
+            span=generated,
+            n_queries=cfg.window,
+            budget=cfg.threshold_budget - cfg.window,
+        )
+
+
+def build_policy(config: CompressionConfig) -> Policy:
+    """The policy named by ``config.policy``."""
+    return {"periodic": PeriodicWindowPolicy, "threshold": ThresholdPolicy}[config.policy](config)

@@ -1,0 +1,162 @@
+"""The reference backend against transformers itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from kvllm import CompressionConfig
+from kvllm.hf import generate
+from kvllm.policy import PeriodicWindowPolicy, SeqState
+from kvllm.testing import model_config, random_model
+
+PROMPTS = [
+    "let v1 = 5 then compute the sum of v2",
+    "the answer is",
+    "we check step a value, then",
+    "so let v3 = 17 and v4 = 2; compute v3 and v4 then the answer",
+]
+# (arch, heads, kv_heads): GQA 2:1 and 1:1.
+MODELS = [("qwen3", 4, 2), ("qwen2", 4, 2), ("llama", 4, 2), ("qwen3", 2, 2), ("llama", 2, 2)]
+
+
+def _model(tokenizer: PreTrainedTokenizerFast, arch: str, heads: int, kv_heads: int):
+    return random_model(model_config(arch, vocab_size=len(tokenizer), heads=heads, kv_heads=kv_heads))
+
+
+def _reference(model, tokenizer, prompts: list[str], n: int) -> list[list[int]]:
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    # No EOS: both sides must produce all n tokens (min_new_tokens would instead
+    # suppress EOS and change the argmax).
+    model.generation_config.eos_token_id = None
+    out = model.generate(**enc, max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[:, enc["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize(("arch", "heads", "kv_heads"), MODELS)
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+def test_keep_all_matches_model_generate(tokenizer, arch: str, heads: int, kv_heads: int, batched: bool) -> None:
+    model = _model(tokenizer, arch, heads, kv_heads)
+    n = 90
+    # Retention 1.0 with rounds running (capture, selection, rewrite), and a window
+    # that is never reached: both must leave the tokens untouched.
+    keep_all = CompressionConfig(window=32, buffer=8, period=4, retention=1.0)
+    never = CompressionConfig(window=1024, buffer=8, period=4, retention=0.1)
+    groups = [PROMPTS] if batched else [[p] for p in PROMPTS]
+    for prompts in groups:
+        expected = _reference(model, tokenizer, prompts, n)
+        for cfg in (None, keep_all, never):
+            got = generate(model, tokenizer, prompts, cfg, n, stop_at_eos=False)
+            assert got.token_ids == expected, f"config {cfg}"
+        assert got.stats[0].compressions == 0
+    rounds = generate(model, tokenizer, prompts, keep_all, n, stop_at_eos=False).stats[0].compressions
+    assert rounds > 0
+
+
+def _dropped_mask(prompt: int, steps: int, cfg: CompressionConfig) -> torch.Tensor:
+    """For StreamingLLM under the periodic policy (every layer and head drops the same
+    tokens), ``mask[t, j]`` says whether the query at logical position t still sees
+    logical token j, found by simulating the policy independently of any cache."""
+    total = prompt + steps
+    allowed = torch.tril(torch.ones(total, total, dtype=torch.bool))
+    policy, state = PeriodicWindowPolicy(cfg), SeqState(prompt_len=prompt)
+    slots = list(range(prompt))
+    for step in range(1, steps):
+        slots.append(prompt + step - 1)
+        state.append()
+        region = policy.plan(state, step)
+        if region is None:
+            continue
+        area = slots[region.start : region.start + region.n_compress]
+        dropped = area[: len(area) - region.budget]
+        slots[region.start : region.start + region.n_compress] = area[len(area) - region.budget :]
+        policy.commit(state, region)
+        # The next token fed is logical position prompt + step.
+        allowed[prompt + step :, dropped] = False
+    return allowed
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_compressed_generation_matches_masked_full_attention(tokenizer, arch: str) -> None:
+    """Positions stay logical after compaction.
+
+    Teacher-force the compressed run's own tokens through the plain model with a mask
+    that hides exactly the dropped tokens at each step: every greedy choice must
+    agree. A cache that re-numbered positions after compaction would diverge.
+    """
+    model = _model(tokenizer, arch, 4, 2)
+    cfg = CompressionConfig(method="streamingllm", window=32, buffer=8, period=4, retention=0.25)
+    prompt = PROMPTS[0]
+    n = 150
+    got = generate(model, tokenizer, [prompt], cfg, n, stop_at_eos=False)
+    assert got.stats[0].compressions >= 3
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    p = ids.shape[1]
+    full = torch.cat([ids, torch.tensor([got.token_ids[0]])], dim=1)[:, :-1]
+    allowed = _dropped_mask(p, n, cfg)[:-1, :-1]
+    bias = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        logits = model(full, attention_mask=bias[None, None]).logits[0]
+    assert logits[p - 1 :].argmax(-1).tolist() == got.token_ids[0]
+
+
+@pytest.mark.parametrize("method", ["kara", "snapkv", "adakv", "pyramidkv", "rkv"])
+def test_lengths_after_compression(tokenizer, method: str) -> None:
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(method=method, window=32, buffer=8, period=4, retention=0.25)
+    n = 200
+    got = generate(model, tokenizer, PROMPTS, cfg, n, stop_at_eos=False)
+    enc = tokenizer(PROMPTS)["input_ids"]
+    for ids, stats in zip(enc, got.stats, strict=True):
+        # The last token is sampled but never fed, so the cache has seen n - 1 of them.
+        assert stats.logical_length == len(ids) + n - 1
+        kept = stats.compressions * cfg.budget
+        tail = n - 1 - stats.compressions * cfg.window
+        if method in ("kara", "snapkv", "rkv"):
+            assert stats.physical_length == len(ids) + kept + tail
+        else:  # variable budgets are padded to the widest (head, layer) and masked
+            assert stats.physical_length >= len(ids) + kept + tail
+        assert stats.compressions == (n - 1 - 8) // 32 or stats.compressions == (n - 1 - 8) // 32 - 1
+
+
+def test_prompt_is_never_touched(tokenizer) -> None:
+    from kvllm.hf.cache import KaraCache
+
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(method="kara", window=32, buffer=8, period=4, retention=0.25)
+    enc = tokenizer(PROMPTS[:1], return_tensors="pt")
+    seen: list[KaraCache] = []
+    original_end = KaraCache.end_step
+
+    def spy(self: KaraCache) -> None:
+        if not seen:
+            seen.append(self)
+        original_end(self)
+
+    prompt_keys = None
+    KaraCache.end_step = spy
+    try:
+        generate(model, tokenizer, PROMPTS[:1], cfg, 1, stop_at_eos=False)
+        prompt_keys = seen[0].layers[1].keys.clone()
+        seen.clear()
+        got = generate(model, tokenizer, PROMPTS[:1], cfg, 120, stop_at_eos=False)
+    finally:
+        KaraCache.end_step = original_end
+    p = enc["input_ids"].shape[1]
+    assert got.stats[0].compressions > 0
+    assert torch.equal(seen[0].layers[1].keys[:, :, :p], prompt_keys[:, :, :p])
+
+
+def test_sampling_is_seeded(tokenizer) -> None:
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(window=32, buffer=8, period=4)
+    a = generate(model, tokenizer, PROMPTS, cfg, 40, temperature=0.8, top_p=0.9, seed=3)
+    b = generate(model, tokenizer, PROMPTS, cfg, 40, temperature=0.8, top_p=0.9, seed=3)
+    assert a.token_ids == b.token_ids
+
+
+def test_bad_max_new_tokens(tokenizer) -> None:
+    model = _model(tokenizer, "qwen3", 4, 2)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        generate(model, tokenizer, PROMPTS, None, 0)

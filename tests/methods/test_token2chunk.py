@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import time
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvllm.methods.token2chunk import token2chunk
+
+
+def _scores(c: int, strong: dict[int, float]) -> torch.Tensor:
+    s = torch.arange(c, dtype=torch.float32) * 1e-3  # distinct weak background
+    for i, v in strong.items():
+        s[i] = v
+    return s
+
+
+def test_fills_short_gap_between_strong_candidates_instead_of_isolated_token() -> None:
+    # m = 4 -> K = 2 candidates {5, 8}; the gap {6, 7} fits the remaining budget.
+    # Plain top-4 would keep the isolated third-best token 15 instead.
+    s = _scores(20, {5: 10.0, 8: 9.0, 15: 8.0})
+    kept = token2chunk(s, budget=4, rho=0.5, beta=1.0, max_gap=16).tolist()
+    assert kept == [5, 6, 7, 8]
+    assert 15 in s.topk(4).indices.tolist()
+
+
+def test_budget_spent_exactly_after_partial_fill() -> None:
+    # m = 6 -> K = 3 candidates {2, 4, 12}. Gap {3} (sigma high) is filled; gap 5..11
+    # (7 tokens) exceeds the 2 slots left, so the best two remaining tokens are added.
+    s = _scores(16, {2: 5.0, 4: 4.0, 12: 3.0, 14: 1.0, 9: 0.5})
+    kept = token2chunk(s, budget=6, rho=0.5, beta=1.0, max_gap=16).tolist()
+    assert kept == [2, 3, 4, 9, 12, 14]
+
+
+def test_gap_fill_spends_whole_budget() -> None:
+    s = _scores(12, {1: 5.0, 4: 4.0})
+    kept = token2chunk(s, budget=4, rho=0.5, beta=1.0, max_gap=16).tolist()
+    assert kept == [1, 2, 3, 4]
+
+
+def test_gaps_longer_than_max_gap_are_not_filled() -> None:
+    s = _scores(12, {1: 5.0, 4: 4.0})
+    kept = token2chunk(s, budget=4, rho=0.5, beta=1.0, max_gap=1).tolist()
+    assert kept == [1, 4, 10, 11]
+
+
+def test_denser_chunk_wins_when_budget_allows_one() -> None:
+    # Candidates {0, 3, 10}: gaps of 2 and 6 tokens; only one fits in m - K = 2 + ...
+    s = _scores(16, {0: 5.0, 3: 5.0, 10: 5.0})
+    kept = token2chunk(s, budget=6, rho=0.5, beta=1.0, max_gap=16).tolist()
+    assert {0, 1, 2, 3, 10} <= set(kept) and len(kept) == 6
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    c=st.integers(1, 64),
+    rows=st.integers(1, 4),
+    data=st.data(),
+)
+def test_exactly_m_sorted_unique_and_candidates_kept(c: int, rows: int, data: st.DataObject) -> None:
+    m = data.draw(st.integers(1, c))
+    rho = data.draw(st.floats(0.05, 1.0))
+    beta = data.draw(st.floats(0.0, 3.0))
+    max_gap = data.draw(st.integers(0, 20))
+    seed = data.draw(st.integers(0, 2**16))
+    s = torch.rand(rows, c, generator=torch.Generator().manual_seed(seed))
+    kept = token2chunk(s, m, rho, beta, max_gap)
+    assert kept.shape == (rows, m)
+    assert ((kept[:, 1:] - kept[:, :-1]) > 0).all()
+    assert ((kept >= 0) & (kept < c)).all()
+    k = min(m, max(1, round(rho * m)))
+    for row, scores in zip(kept, s, strict=True):
+        assert set(scores.topk(k).indices.tolist()) <= set(row.tolist())
+
+
+def test_selection_for_a_full_model_window_is_fast() -> None:
+    """Token2Chunk over 36 layers x 8 KV heads stays a small share of scoring.
+
+    Not a timing target (those live in benchmarks): it guards against an accidental
+    per-token Python loop, which would take seconds here.
+    """
+    s = torch.rand(36 * 8, 128)
+    start = time.perf_counter()
+    token2chunk(s, 64, 0.5, 1.0, 16)
+    assert time.perf_counter() - start < 2.0

@@ -1,0 +1,91 @@
+"""Policies on simulated sequences: what is compressed, when, and what never is."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvllm import CompressionConfig
+from kvllm.policy import PeriodicWindowPolicy, SeqState, ThresholdPolicy, build_policy
+
+
+def _simulate(cfg: CompressionConfig, prompt: int, steps: int) -> tuple[SeqState, list[int], list[int]]:
+    """Decode ``steps`` tokens, applying every planned round to a list of token ids.
+
+    Keeps the *last* ``budget`` tokens of each compressible area (any choice works:
+    the policy must not care which). Returns the state, the slot->token list and the
+    steps at which rounds ran.
+    """
+    policy = build_policy(cfg)
+    state = SeqState(prompt_len=prompt)
+    slots = list(range(prompt))
+    compressed: set[int] = set()
+    rounds = []
+    for step in range(1, steps + 1):
+        slots.append(prompt + step - 1)
+        state.append()
+        region = policy.plan(state, step)
+        if region is None:
+            continue
+        rounds.append(step)
+        area = slots[region.start : region.start + region.n_compress]
+        buffer = slots[region.start + region.n_compress : region.start + region.span]
+        assert region.start >= prompt, "the prompt is never compressed"
+        assert region.start + region.span <= len(slots)
+        if isinstance(policy, PeriodicWindowPolicy):
+            assert not compressed & set(area), "each window is compressed once"
+            assert len(buffer) == cfg.buffer
+        compressed |= set(area)
+        kept = area[len(area) - region.budget :]
+        slots[region.start : region.start + region.n_compress] = kept
+        policy.commit(state, region)
+        assert set(buffer) <= set(slots), "the buffer is never dropped"
+        assert len(slots) == state.length
+    assert slots[:prompt] == list(range(prompt))
+    return state, slots, rounds
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.integers(1, 50),
+    steps=st.integers(0, 600),
+    window=st.sampled_from([32, 64]),
+    buffer=st.integers(0, 31),
+    period=st.integers(1, 32),
+    retention=st.floats(0.05, 1.0),
+)
+def test_periodic_lengths(prompt: int, steps: int, window: int, buffer: int, period: int, retention: float) -> None:
+    cfg = CompressionConfig(window=window, buffer=buffer, period=period, retention=retention)
+    state, _, rounds = _simulate(cfg, prompt, steps)
+    assert state.logical_length == prompt + steps
+    kept_history = state.rounds * cfg.budget
+    assert state.length == prompt + kept_history + state.tail
+    assert state.tail_start == prompt + kept_history
+    assert all(step % period == 0 for step in rounds)
+    # The policy keeps up: after the last check, the tail is short of a window.
+    last_check = steps - steps % period
+    assert state.tail - (steps - last_check) < window + buffer
+
+
+def test_periodic_first_round_waits_for_window_plus_buffer() -> None:
+    cfg = CompressionConfig(window=32, buffer=8, period=4, retention=0.25)
+    _, _, rounds = _simulate(cfg, prompt=10, steps=80)
+    # Tail reaches 40 at step 40 (a multiple of 4); the next window starts at the
+    # buffer: 8 + 32 more tokens are needed, reached at step 72.
+    assert rounds == [40, 72]
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompt=st.integers(1, 40), steps=st.integers(0, 800), interval=st.integers(1, 64))
+def test_threshold_recompresses_generated_region_to_budget(prompt: int, steps: int, interval: int) -> None:
+    cfg = CompressionConfig(policy="threshold", window=32, buffer=8, threshold_budget=100, threshold_interval=interval)
+    assert isinstance(build_policy(cfg), ThresholdPolicy)
+    state, _, rounds = _simulate(cfg, prompt, steps)
+    generated = state.length - prompt
+    assert generated < cfg.threshold_budget + interval
+    if rounds:
+        # Each round leaves `budget` generated slots, then `interval` more trigger it.
+        assert all(b - a == interval for a, b in itertools.pairwise(rounds))
+    assert state.logical_length == prompt + steps
