@@ -15,6 +15,8 @@ from rich.table import Table
 from kvllm.config import CompressionConfig
 
 app = typer.Typer(help="KvLLM: reasoning-LLM serving with Kara KV-cache compression.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (speed targets live here, not in unit tests).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
 console = Console()
 
 
@@ -97,6 +99,42 @@ def generate(
     console.print(table)
     total = sum(len(ids) for ids in result.token_ids)
     console.print(f"{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
+
+
+@bench_app.command("selection")
+def bench_selection(
+    method: Annotated[list[str], typer.Option(help="Methods to time (repeatable).")] = ["kara"],  # noqa: B006
+    retention: Annotated[float, typer.Option(help="Retention r.")] = 0.2,
+    window: Annotated[int, typer.Option(help="Window W.")] = 128,
+    buffer: Annotated[int, typer.Option(help="Buffer b.")] = 32,
+    layers: Annotated[int, typer.Option(help="Model layers.")] = 36,
+    heads: Annotated[int, typer.Option(help="Query heads.")] = 32,
+    kv_heads: Annotated[int, typer.Option(help="KV heads.")] = 8,
+    head_dim: Annotated[int, typer.Option(help="Head dimension.")] = 128,
+    batch: Annotated[int, typer.Option(help="Windows selected together.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed repeats.")] = 5,
+) -> None:
+    """Time one window's selection (scoring + choice) for a model shape."""
+    import torch
+
+    from kvllm.bench.selection import time_selection
+
+    table = Table(
+        title=f"selection of one window: W={window}, b={buffer}, {layers} layers, {heads}q/{kv_heads}kv heads"
+    )
+    for col in ("method", "batch", "median ms", "min ms", "max ms"):
+        table.add_column(col, justify="right")
+    for name in method:
+        try:
+            config = CompressionConfig(method=name, retention=retention, window=window, buffer=buffer)
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from err
+        t = time_selection(
+            config, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim, batch=batch, repeats=repeats
+        )
+        table.add_row(name, str(batch), f"{t.median_ms:.1f}", f"{t.min_ms:.1f}", f"{t.max_ms:.1f}")
+    console.print(table)
+    console.print(f"torch threads: {torch.get_num_threads()}")
 
 
 if __name__ == "__main__":

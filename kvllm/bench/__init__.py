@@ -1,0 +1,1 @@
+"""Benchmarks: speed targets live here, never in unit tests."""

@@ -1,0 +1,54 @@
+"""Time one window's selection for a model shape (scoring + choosing, no engine)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvllm.config import CompressionConfig
+from kvllm.methods import Window, build
+
+
+@dataclass(frozen=True)
+class SelectionTiming:
+    method: str
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    repeats: int
+
+
+def time_selection(
+    config: CompressionConfig,
+    *,
+    layers: int = 36,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    batch: int = 1,
+    repeats: int = 5,
+    seed: int = 0,
+) -> SelectionTiming:
+    """Wall time of ``method.select`` over one window per sequence, fp32 inputs.
+
+    The window has W + b queries and keys, as the periodic policy hands it over. One
+    untimed call first warms up allocators and kernels.
+    """
+    span = config.window + config.buffer
+    gen = torch.Generator().manual_seed(seed)
+    window = Window(
+        queries=torch.randn(batch, layers, heads, span, head_dim, generator=gen),
+        keys=torch.randn(batch, layers, kv_heads, span, head_dim, generator=gen),
+        n_compress=config.window,
+    )
+    method = build(config)
+    method.select(window, config.budget)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        method.select(window, config.budget)
+        times.append((time.perf_counter() - start) * 1e3)
+    return SelectionTiming(config.method, statistics.median(times), min(times), max(times), repeats)
