@@ -13,6 +13,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvllm.config import CompressionConfig
+from kvllm.eval.runner import DEFAULT_METHODS, DEFAULT_RETENTIONS, FULL, cells
+from kvllm.eval.tasks import FAMILIES
 
 app = typer.Typer(help="KvLLM: reasoning-LLM serving with Kara KV-cache compression.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (speed targets live here, not in unit tests).", no_args_is_help=True)
@@ -29,10 +31,31 @@ def main() -> None:
     """KvLLM command line."""
 
 
+def _load(model: Path | None):
+    """Tokenizer and fp32 model from ``model`` or the shipped default, offline."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvllm.assets import model_path
+
+    path = model if model is not None else model_path()
+    if not path.is_dir():
+        raise typer.BadParameter(f"--model {path} is not a model directory")
+    tok = AutoTokenizer.from_pretrained(path)
+    # fp32: on CPUs without AMX/AVX-512 bf16 matmul is emulated and far slower.
+    return tok, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _csv(value: str, cast=str) -> list:
+    return [cast(v.strip()) for v in value.split(",") if v.strip()]
+
+
 @app.command()
 def generate(
     prompts: Annotated[list[str], typer.Argument(help="One or more prompts, generated as one batch.")],
-    model: Annotated[Path, typer.Option(help="Local model directory (transformers format).")],
+    model: Annotated[
+        Path | None, typer.Option(help="Local model directory (transformers format); default: the shipped model.")
+    ] = None,
     backend: Annotated[Backend, typer.Option(help="Execution backend.")] = Backend.hf,
     method: Annotated[str, typer.Option(help="Selection method, or 'none' for Full KV.")] = "kara",
     retention: Annotated[float, typer.Option(help="Fraction of each window kept, in (0, 1].")] = 0.2,
@@ -46,9 +69,6 @@ def generate(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
 ) -> None:
     """Generate with KV compression and print the texts and the cache statistics."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from kvllm.hf import generate as hf_generate
 
     try:
@@ -59,10 +79,7 @@ def generate(
             )
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    if not model.is_dir():
-        raise typer.BadParameter(f"--model {model} is not a model directory")
-    tok = AutoTokenizer.from_pretrained(model)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    tok, lm = _load(model)
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("gen", total=max_new_tokens)
@@ -99,6 +116,95 @@ def generate(
     console.print(table)
     total = sum(len(ids) for ids in result.token_ids)
     console.print(f"{total} tokens in {elapsed:.2f} s: {total / elapsed:.1f} tokens/s")
+
+
+@app.command("eval")
+def evaluate(
+    out: Annotated[Path, typer.Option(help="Output folder: results.jsonl/csv/json and accuracy.png.")] = Path(
+        "eval-results"
+    ),
+    model: Annotated[Path | None, typer.Option(help="Model directory; default: the shipped model.")] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated methods.")] = ",".join(DEFAULT_METHODS),
+    retentions: Annotated[str, typer.Option(help="Comma-separated retentions (1.0 = Full KV).")] = ",".join(
+        str(r) for r in DEFAULT_RETENTIONS
+    ),
+    families: Annotated[str, typer.Option(help="Comma-separated task families.")] = ",".join(FAMILIES),
+    n: Annotated[int, typer.Option(help="Problems per family.")] = 32,
+    steps: Annotated[int, typer.Option(help="Program steps per task (CoT about 18 tokens each).")] = 40,
+    constants: Annotated[int, typer.Option(help="Constants per program.")] = 12,
+    depth: Annotated[float, typer.Option(help="prompt-needle depth in [0, 1].")] = 0.5,
+    math_jsonl: Annotated[
+        list[Path] | None, typer.Option(help="MATH-500/AIME/AMC jsonl files instead of generated tasks.")
+    ] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Math problems: generation budget.")] = 4096,
+    samples: Annotated[int, typer.Option(help="Samples per problem.")] = 1,
+    temperature: Annotated[float, typer.Option(help="0 = greedy (math: use 0.6).")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus mass (math: use 0.95).")] = 1.0,
+    window: Annotated[int, typer.Option(help="Window W.")] = 128,
+    buffer: Annotated[int, typer.Option(help="Buffer b.")] = 32,
+    period: Annotated[int, typer.Option(help="Period P.")] = 16,
+    batch_size: Annotated[int, typer.Option(help="Prompts generated together.")] = 8,
+) -> None:
+    """Accuracy vs retention for every method: a table, a CSV/JSON and a plot. Resumes."""
+    from kvllm.eval.math import load_math
+    from kvllm.eval.plots import plot_accuracy
+    from kvllm.eval.problems import task_problems
+    from kvllm.eval.runner import run_grid
+    from kvllm.eval.tasks import Difficulty
+
+    try:
+        method_list = _csv(methods)
+        retention_list = _csv(retentions, float)
+        base = CompressionConfig(window=window, buffer=buffer, period=period)
+        for m in method_list:
+            for r in retention_list:
+                base.replace(method=m, retention=r)
+        difficulty = Difficulty(constants=constants, steps=steps, depth=depth)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    tok, lm = _load(model)
+    if math_jsonl:
+        problems = {p.stem: load_math(p, tok, max_new_tokens) for p in math_jsonl}
+    else:
+        problems = {f: task_problems(f, n, difficulty, tok) for f in _csv(families)}
+    total = sum(len(problems[f]) * samples for _, _, f in cells(method_list, retention_list, list(problems)))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        bar = progress.add_task("eval", total=total)
+
+        def step(name: str, k: int) -> None:
+            progress.update(bar, advance=k, description=name)
+
+        results = run_grid(
+            lm,
+            tok,
+            problems,
+            method_list,
+            retention_list,
+            base,
+            out,
+            batch_size=batch_size,
+            samples=samples,
+            temperature=temperature,
+            top_p=top_p,
+            on_progress=step,
+        )
+    plot_accuracy(results, out / "accuracy.png", title=f"W={window} b={buffer} P={period}")
+    table = Table(title="accuracy (%)")
+    table.add_column("method")
+    table.add_column("family")
+    for r in sorted(retention_list):
+        table.add_column(f"r={r}", justify="right")
+    by_key = {res.key: res for res in results}
+    for family in problems:
+        for m in method_list:
+            row = []
+            for r in sorted(retention_list):
+                res = by_key.get((FULL, 1.0, family) if r >= 1.0 else (m, r, family))
+                row.append("-" if res is None else f"{100 * res.accuracy:.1f}")
+            table.add_row(m, family, *row)
+    console.print(table)
+    console.print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy.png'}")
 
 
 @bench_app.command("selection")

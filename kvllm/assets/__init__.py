@@ -1,0 +1,15 @@
+"""Package data: the shipped small reasoning model (safetensors + tokenizer + card)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_MODEL = "kara-reasoner-tiny"
+
+
+def model_path(name: str = DEFAULT_MODEL) -> Path:
+    """Directory of a shipped model, loadable offline with ``from_pretrained``."""
+    path = Path(__file__).parent / name
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"shipped model {name!r} is missing at {path}")
+    return path

@@ -1,0 +1,137 @@
+"""Generated reasoning tasks whose chains of thought re-read what was written long before.
+
+Every task is ``prompt -> "<think>\\n" + chain of thought + "</think>\\n" + answer`` and
+is a pure function of its family, its seed and its difficulty knobs, so train and test
+sets are disjoint by seed (:data:`TEST_SEEDS` vs :data:`TRAIN_SEEDS`). Families:
+
+``trace``
+    The prompt is a program of constants and assignments over two-letter variables
+    (values 0-99, ``+`` and ``-`` mod 100, each statement reading 1-2 earlier variables
+    chosen uniformly among all earlier ones, so reads reach back hundreds of tokens).
+    The chain of thought evaluates it line by line, ``ce = bo + ku = 41 + 13 = 54``;
+    the answer is the last variable's value.
+``gen-needle``
+    The first line of the chain of thought derives a fact, ``key = 37 + 48 = 85``;
+    then comes a long trace that never reads it; the answer recalls ``key``.
+``prompt-needle``
+    A line ``code = 85`` sits in the prompt at a chosen depth among the program's
+    lines; after the long trace, the answer recalls ``code`` from the prompt.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+FAMILIES: tuple[str, ...] = ("trace", "gen-needle", "prompt-needle")
+TEST_SEEDS = range(0, 1_000_000)
+TRAIN_SEEDS = range(1_000_000, 2**31)
+THINK, END_THINK = "<think>", "</think>"
+# Consonant-vowel names: few enough that the tokenizer makes each one a single token.
+NAMES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+
+
+@dataclass(frozen=True)
+class Difficulty:
+    """Knobs of a task's length and recall distance.
+
+    Attributes
+    ----------
+    constants
+        Variables given a value in the prompt.
+    steps
+        Assignments the chain of thought evaluates (about 16 tokens each).
+    depth
+        ``prompt-needle``: where the needle sits among the prompt's lines, in [0, 1].
+    """
+
+    constants: int = 12
+    steps: int = 40
+    depth: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.constants < 2:
+            raise ValueError(f"Difficulty.constants={self.constants} is invalid: must be >= 2")
+        if not 1 <= self.steps <= len(NAMES) - self.constants:
+            raise ValueError(f"Difficulty.steps={self.steps} is invalid: must be in [1, {len(NAMES) - self.constants}]")
+        if not 0.0 <= self.depth <= 1.0:
+            raise ValueError(f"Difficulty.depth={self.depth} is invalid: must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Task:
+    family: str
+    seed: int
+    prompt: str
+    target: str
+    answer: str
+
+    @property
+    def text(self) -> str:
+        """Prompt and target: a training example."""
+        return self.prompt + self.target
+
+
+def _program(rng: random.Random, d: Difficulty) -> tuple[list[str], list[str], str, dict[str, int]]:
+    """Prompt lines, chain-of-thought lines, the last variable and all values."""
+    names = rng.sample(NAMES, d.constants + d.steps)
+    values: dict[str, int] = {}
+    prompt, cot = [], []
+    for name in names[: d.constants]:
+        values[name] = rng.randrange(100)
+        prompt.append(f"{name} = {values[name]}")
+    for name in names[d.constants :]:
+        defined = list(values)
+        op = rng.choice("+-")
+        x = rng.choice(defined)
+        if rng.random() < 0.7:
+            y = rng.choice(defined)
+            vy, shown = values[y], y
+        else:
+            vy = rng.randrange(1, 100)
+            shown = str(vy)
+        values[name] = (values[x] + vy) % 100 if op == "+" else (values[x] - vy) % 100
+        prompt.append(f"{name} = {x} {op} {shown}")
+        cot.append(f"{name} = {x} {op} {shown} = {values[x]} {op} {vy} = {values[name]}")
+    return prompt, cot, names[-1], values
+
+
+def make_task(family: str, seed: int, difficulty: Difficulty | None = None) -> Task:
+    """The task of ``family`` for ``seed`` (deterministic)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is invalid: must be one of {', '.join(FAMILIES)}")
+    d = difficulty or Difficulty()
+    rng = random.Random(f"{family}:{seed}:{d}")
+    prompt, cot, last, values = _program(rng, d)
+    ask, answer = last, values[last]
+    if family == "gen-needle":
+        a, b = rng.randrange(100), rng.randrange(100)
+        ask, answer = "key", (a + b) % 100
+        prompt.insert(0, f"key = {a} + {b}")
+        cot.insert(0, f"key = {a} + {b} = {a} + {b} = {answer}")
+    elif family == "prompt-needle":
+        ask, answer = "code", rng.randrange(100)
+        prompt.insert(round(d.depth * len(prompt)), f"code = {answer}")
+    # Every line starts with a space, so a name is the same token wherever it appears.
+    lines = [f"{family}: evaluate and report {ask}.", *prompt, THINK, *cot, END_THINK, f"{ask} = {answer}"]
+    text = "\n ".join(lines)
+    split = text.index(THINK) + len(THINK)
+    return Task(family=family, seed=seed, prompt=text[:split], target=text[split:], answer=str(answer))
+
+
+_ANSWER = re.compile(r"=\s*(\d+)")
+
+
+def extract_answer(completion: str) -> str | None:
+    """The number after the first ``=`` following the last ``</think>``, if any."""
+    _, sep, tail = completion.rpartition(END_THINK)
+    if not sep:
+        return None
+    match = _ANSWER.search(tail)
+    return match.group(1) if match else None
+
+
+def grade(task: Task, completion: str) -> bool:
+    """Exact match of the final answer."""
+    return extract_answer(completion) == task.answer

@@ -1,0 +1,81 @@
+"""Smoke test of `kvllm eval` on a tiny grid, and of resuming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvllm.cli import app
+from kvllm.eval.runner import FULL, cells, load_results
+from kvllm.testing import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def test_cells_share_full_kv() -> None:
+    grid = cells(["kara", "snapkv"], [0.2, 1.0], ["trace"])
+    assert grid == [(FULL, 1.0, "trace"), ("kara", 0.2, "trace"), ("snapkv", 0.2, "trace")]
+
+
+def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    args = [
+        "eval",
+        "--model",
+        str(tiny),
+        "--out",
+        str(out),
+        "--methods",
+        "kara,snapkv",
+        "--retentions",
+        "0.25,1.0",
+        "--families",
+        "trace",
+        "--n",
+        "4",
+        "--steps",
+        "6",
+        "--constants",
+        "4",
+        "--window",
+        "32",
+        "--buffer",
+        "8",
+        "--period",
+        "4",
+        "--batch-size",
+        "2",
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    for name in ("results.jsonl", "results.csv", "results.json", "accuracy.png"):
+        assert (out / name).stat().st_size > 0
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["method"], r["retention"]) for r in rows} == {(FULL, 1.0), ("kara", 0.25), ("snapkv", 0.25)}
+    for r in rows:
+        assert r["n"] == 4 and 0 <= r["correct"] <= 4 and r["accuracy"] == r["correct"] / 4
+        assert r["mean_new_tokens"] > 0 and 0 < r["mean_kept"] <= 1.0
+    full = next(r for r in rows if r["method"] == FULL)
+    assert full["mean_kept"] == 1.0
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert (out / "results.jsonl").read_text().splitlines() == lines  # resumed: nothing re-run
+    assert set(load_results(out / "results.jsonl")) == {
+        (FULL, 1.0, "trace"),
+        *((m, 0.25, "trace") for m in ("kara", "snapkv")),
+    }
+
+
+def test_eval_rejects_bad_grid(tiny: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["eval", "--model", str(tiny), "--out", str(tmp_path), "--retentions", "0"])
+    assert result.exit_code != 0
+    assert "retention=0.0" in result.output

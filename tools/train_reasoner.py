@@ -1,0 +1,175 @@
+"""Train KvLLM's shipped small reasoning model on the generated task families.
+
+A Qwen3-architecture model (GQA, tied embeddings) with a byte-level BPE tokenizer that
+splits digits, trained on a mixture of ``kvllm.eval.tasks`` families with the loss on
+the chain of thought and answer only. Writes safetensors, tokenizer, config and a model
+card (with held-out Full-KV accuracy) to ``--out``.
+
+Usage::
+
+    python tools/train_reasoner.py --out kvllm/assets/kara-reasoner-tiny --minutes 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from kvllm.eval.tasks import END_THINK, FAMILIES, THINK, TRAIN_SEEDS, Difficulty, make_task
+
+
+def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over generated task text; every digit is its own token."""
+    rng = random.Random(seed)
+    corpus = [make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), _difficulty(rng, 1.0)).text for _ in range(1500)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    # Reasoning markers are plain (non-special) tokens, so decoded text keeps them.
+    tok.add_tokens([AddedToken(THINK, normalized=False), AddedToken(END_THINK, normalized=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def _difficulty(rng: random.Random, progress: float, steps: int | None = None) -> Difficulty:
+    """Mixed lengths; the longest programs grow with training progress (a curriculum)."""
+    top = round(12 + (48 - 12) * min(1.0, 1.5 * progress))
+    steps = steps if steps is not None else rng.randint(4, top)
+    return Difficulty(constants=rng.randint(6, 16), steps=steps, depth=rng.random())
+
+
+def _batch(tok: PreTrainedTokenizerFast, rng: random.Random, token_budget: int, progress: float):
+    """Examples up to ``token_budget`` padded tokens; labels only on the target."""
+    rows: list[tuple[list[int], int]] = []
+    longest = 0
+    # One program length per batch keeps padding (wasted compute) small.
+    steps = _difficulty(rng, progress).steps
+    while True:
+        task = make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), _difficulty(rng, progress, steps))
+        prompt = tok(task.prompt)["input_ids"]
+        target = tok(task.target)["input_ids"] + [tok.eos_token_id]
+        ids = prompt + target
+        if rows and max(longest, len(ids)) * (len(rows) + 1) > token_budget:
+            break
+        rows.append((ids, len(prompt)))
+        longest = max(longest, len(ids))
+    input_ids = torch.full((len(rows), longest), tok.pad_token_id)
+    labels = torch.full((len(rows), longest), -100)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, (ids, n_prompt) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        mask[i, : len(ids)] = 1
+    return input_ids, labels, mask
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--minutes", type=float, default=40.0)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=384)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-tokens", type=int, default=6144)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
+    args = p.parse_args()
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+
+    tok = build_tokenizer(args.vocab, args.seed)
+    head_dim = args.hidden // args.heads
+    config = Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"params {n_params / 1e6:.2f}M, vocab {len(tok)}, threads {torch.get_num_threads()}", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+    )
+    budget = args.minutes * 60
+    start = time.perf_counter()
+    step, tokens, log_loss, log_n = 0, 0, 0.0, 0
+    last_log = start
+    model.train()
+    while (elapsed := time.perf_counter() - start) < budget:
+        progress = elapsed / budget
+        warm = min(1.0, (step + 1) / 100)
+        lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, progress)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens += int(mask.sum())
+        log_loss += float(loss)
+        log_n += 1
+        if time.perf_counter() - last_log > args.log_every:
+            now = time.perf_counter() - start
+            print(
+                f"{now / 60:5.1f} min step {step} loss {log_loss / log_n:.4f} lr {lr:.2e} "
+                f"{tokens / now:.0f} tok/s ({tokens / 1e6:.2f}M tokens)",
+                flush=True,
+            )
+            log_loss, log_n, last_log = 0.0, 0, time.perf_counter()
+
+    wall = time.perf_counter() - start
+    model.eval()
+    args.out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    summary = {
+        "params": n_params,
+        "steps": step,
+        "train_tokens": tokens,
+        "train_seconds": round(wall, 1),
+        "tokens_per_second": round(tokens / wall, 1),
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
+    (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2), flush=True)
+
+
+if __name__ == "__main__":
+    main()
