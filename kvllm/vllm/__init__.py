@@ -1,0 +1,1 @@
+"""KvLLM proper: Kara inside vLLM (CPU, V1 model runner) as an out-of-tree plugin."""

@@ -1,0 +1,193 @@
+"""The worker side of KvLLM: physical slots, query capture, and compaction.
+
+``KaraCPUModelRunner`` extends vLLM's ``CPUModelRunner`` (the plugin swaps it in inside
+the worker process). Without a ``kvllm`` engine config it behaves exactly like its base.
+With one, each step it:
+
+1. applies the scheduler's compactions *before* vLLM's own ``_update_states``, because
+   the blocks the scheduler freed may be handed to another request in this very step;
+2. truncates the block tables of requests whose trailing blocks were freed;
+3. after ``_prepare_inputs``, makes ``seq_lens`` and the slot mapping physical
+   (``logical - dropped``) while positions, and so RoPE, stay logical;
+4. publishes the decode rows whose queries the attention backend records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention.attention import Attention
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from kvllm.methods import Window, build
+from kvllm.vllm import paged
+from kvllm.vllm.capture import CAPTURE, QueryRing
+from kvllm.vllm.plan import Compaction, StepPlan
+from kvllm.vllm.settings import engine_config
+
+
+class KaraCPUModelRunner(CPUModelRunner):
+    """``CPUModelRunner`` with KV compaction and logical/physical lengths."""
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self.kv_config = engine_config(vllm_config.additional_config)
+        self.kv_dropped: dict[str, int] = {}
+        self.kv_ring: QueryRing | None = None
+        self.kv_seconds: dict[str, float] = {}
+        self.kv_layers: list[Any] = []
+
+    # -- setup ---------------------------------------------------------------------
+    def _kv_setup(self) -> None:
+        """Ring buffers and layer handles, once the model and its caches exist."""
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        self.kv_layers = [layers[name] for name in sorted(layers, key=extract_layer_index)]
+        bad = {layer.isa for layer in self.kv_layers} - set(paged.READABLE_ISAS)
+        if bad:
+            raise ValueError(
+                f"KV compression reads the paged cache, which needs attention ISA in {paged.READABLE_ISAS}; "
+                f"this model/CPU uses {sorted(bad)}"
+            )
+        first = self.kv_layers[0]
+        self.kv_ring = QueryRing.allocate(
+            layers=len(self.kv_layers),
+            slots=self.scheduler_config.max_num_seqs,
+            ring=self.kv_config.query_buffer_len,
+            heads=first.num_heads,
+            head_dim=first.head_size,
+            dtype=self.model_config.dtype,
+        )
+        CAPTURE.ring = self.kv_ring
+        CAPTURE.layer_of = {layer.layer_name: i for i, layer in enumerate(self.kv_layers)}
+
+    # -- per step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        plan: StepPlan | None = getattr(scheduler_output, "kvllm", None)
+        if self.kv_config is not None and plan is not None:
+            if self.kv_ring is None:
+                self._kv_setup()
+            self._kv_before_step(scheduler_output, plan)
+        return super().execute_model(scheduler_output, intermediate_tensors)
+
+    def _kv_before_step(self, scheduler_output: Any, plan: StepPlan) -> None:
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        gone |= set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+        for req_id in gone:
+            self.kv_ring.release(req_id)
+            self.kv_dropped.pop(req_id, None)
+        if plan.compactions:
+            self._compact(plan.compactions)
+        for req_id, keep in plan.keep_blocks.items():
+            self._truncate_blocks(req_id, keep)
+        self.kv_dropped = dict(plan.dropped)
+
+    def _truncate_blocks(self, req_id: str, keep: int) -> None:
+        state = self.requests.get(req_id)
+        if state is None:
+            return
+        for ids in state.block_ids:
+            del ids[keep:]
+        row = self.input_batch.req_id_to_index.get(req_id)
+        if row is not None:
+            for table in self.input_batch.block_table.block_tables:
+                n = table.num_blocks_per_row[row]
+                table.block_table.np[row, keep:n] = 0
+                table.num_blocks_per_row[row] = min(n, keep)
+
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self.kv_config is None or self.kv_ring is None:
+            return out
+        n_reqs = self.input_batch.num_reqs
+        n_tokens = scheduler_output.total_num_scheduled_tokens
+        req_ids = self.input_batch.req_ids[:n_reqs]
+        dropped = np.fromiter((self.kv_dropped.get(r, 0) for r in req_ids), dtype=np.int64, count=n_reqs)
+        if dropped.any():
+            d = torch.from_numpy(dropped)
+            self.seq_lens[:n_reqs] -= d.to(self.seq_lens.dtype)
+            token_req = self.req_indices.gpu[:n_tokens]
+            physical = self.positions[:n_tokens] - d[token_req]
+            self.input_batch.block_table.compute_slot_mapping(n_reqs, self.query_start_loc.gpu[: n_reqs + 1], physical)
+        self._publish_capture(req_ids, n_reqs)
+        return out
+
+    def _publish_capture(self, req_ids: list[str], n_reqs: int) -> None:
+        """Decode rows of compressible requests, and where their queries go."""
+        qsl = self.query_start_loc.np[: n_reqs + 1]
+        rows, slots, positions = [], [], []
+        ring = self.kv_ring
+        for i, req_id in enumerate(req_ids):
+            if req_id in self.kv_dropped and qsl[i + 1] - qsl[i] == 1:
+                rows.append(qsl[i])
+                slots.append(ring.slot(req_id))
+                positions.append(int(self.input_batch.num_computed_tokens_cpu[i]) % ring.ring)
+        if rows:
+            CAPTURE.rows = torch.tensor(rows, dtype=torch.long)
+            CAPTURE.slots = torch.tensor(slots, dtype=torch.long)
+            CAPTURE.positions = torch.tensor(positions, dtype=torch.long)
+        else:
+            CAPTURE.rows = None
+
+    # -- compaction ----------------------------------------------------------------
+    def _compact(self, compactions: list[Compaction]) -> None:
+        """Run every round of this step; rounds of equal shape share one selection."""
+        groups: dict[tuple, list[Compaction]] = defaultdict(list)
+        for c in compactions:
+            r = c.region
+            groups[(r.n_compress, r.span, r.n_queries, r.budget, c.config)].append(c)
+        for (n_compress, span, n_queries, budget, config), group in groups.items():
+            start = time.perf_counter()
+            self._compact_group(group, n_compress, span, n_queries, budget, config)
+            share = (time.perf_counter() - start) / len(group)
+            for c in group:
+                self.kv_seconds[c.req_id] = self.kv_seconds.get(c.req_id, 0.0) + share
+
+    def _compact_group(
+        self, group: list[Compaction], n_compress: int, span: int, n_queries: int, budget: int, config: Any
+    ) -> None:
+        bs = self.cache_config.block_size
+        ring = self.kv_ring
+        keys, queries, tables = [], [], []
+        for c in group:
+            table = torch.tensor(self.requests[c.req_id].block_ids[0], dtype=torch.long)
+            tables.append(table)
+            span_slots = paged.slots_of(table, torch.arange(c.region.start, c.region.start + span), bs)
+            keys.append(torch.stack([paged.read(layer.kv_cache, span_slots)[0] for layer in self.kv_layers]))
+            # The scoring queries are the span's last tokens: tail slots, never compressed.
+            first = c.region.start + span - n_queries + c.dropped
+            pos = torch.arange(first, first + n_queries) % ring.ring
+            slot = ring.slot(c.req_id)
+            queries.append(torch.stack([q[slot, pos].transpose(0, 1) for q in ring.queries]))
+        window = Window(queries=torch.stack(queries), keys=torch.stack(keys), n_compress=n_compress)
+        kept = build(config).select(window, budget).indices  # [B, L, Hkv, m]
+        for b, c in enumerate(group):
+            self._rewrite(c, kept[b], tables[b], bs)
+
+    def _rewrite(self, c: Compaction, kept: torch.Tensor, table: torch.Tensor, bs: int) -> None:
+        """Kept slots then the rest of the sequence, written contiguously from the region start."""
+        r = c.region
+        tail = torch.arange(r.start + r.n_compress, c.length)
+        n_layers, heads, _ = kept.shape
+        src = torch.cat([r.start + kept, tail.expand(n_layers, heads, -1)], dim=-1)  # [L, Hkv, n]
+        dst = paged.slots_of(table, torch.arange(r.start, r.start + src.shape[-1]), bs)
+        for i, layer in enumerate(self.kv_layers):
+            k, v = paged.read(layer.kv_cache, paged.slots_of(table, src[i], bs))  # [Hkv, n, D]
+            paged.write(layer.kv_cache, k.transpose(0, 1), v.transpose(0, 1), dst, layer.isa)
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        out = super().sample_tokens(grammar_output)
+        if self.kv_seconds and dataclasses.is_dataclass(out):
+            # Hand this step's compaction time to the scheduler (pickled back with the
+            # output). A copy: the output may be vLLM's shared empty singleton.
+            out = dataclasses.replace(out)
+            out.kvllm_seconds = self.kv_seconds
+            self.kv_seconds = {}
+        return out

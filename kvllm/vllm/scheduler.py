@@ -1,0 +1,210 @@
+"""The scheduler side of KvLLM: when to compress, physical block accounting, freeing.
+
+``KaraScheduler`` extends vLLM's V1 ``Scheduler`` (selected with
+``scheduler_cls="kvllm.vllm.scheduler.KaraScheduler"``; it runs in the EngineCore
+process). ``request.num_computed_tokens`` stays *logical*: it indexes input ids and
+drives all token accounting. A per-request ``kvllm_dropped`` count is subtracted only
+where slots are counted: block allocation (:class:`PhysicalKVCacheManager`) and the
+worker's slot mapping and attention lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from kvllm.config import CompressionConfig
+from kvllm.policy import Policy, SeqState, build_policy
+from kvllm.vllm.plan import Compaction, StepPlan
+from kvllm.vllm.settings import engine_config, request_config
+
+logger = logging.getLogger(__name__)
+DROPPED = "kvllm_dropped"
+
+
+class PhysicalKVCacheManager(KVCacheManager):
+    """Allocates for a request's physical slots and can free its trailing blocks."""
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any):
+        dropped = getattr(request, DROPPED, 0)
+        if not dropped:
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        # The base class reads num_computed_tokens as the slots already held.
+        request.num_computed_tokens -= dropped
+        try:
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        finally:
+            request.num_computed_tokens += dropped
+
+    def free_trailing_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Return the blocks past the first ``num_tokens`` slots to the pool."""
+        freed = 0
+        for manager in self.coordinator.single_type_managers:
+            blocks = manager.req_to_blocks.get(request_id)
+            keep = cdiv(num_tokens, manager.block_size)
+            if not blocks or len(blocks) <= keep:
+                continue
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.block_pool.free_blocks(reversed([b for b in tail if not b.is_null]))
+            freed += len(tail)
+        return freed
+
+
+@dataclass
+class RequestCompression:
+    """One request's compression state and statistics."""
+
+    config: CompressionConfig | None
+    policy: Policy | None
+    state: SeqState
+    tokens_dropped: int = 0
+    blocks_freed: int = 0
+    seconds: float = 0.0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "method": None if self.config is None else self.config.method,
+            "retention": None if self.config is None else self.config.retention,
+            "logical_length": self.state.logical_length,
+            "physical_length": self.state.length,
+            "compressions": self.state.rounds,
+            "tokens_dropped": self.tokens_dropped,
+            "blocks_freed": self.blocks_freed,
+            "compress_seconds": self.seconds,
+        }
+
+
+@dataclass
+class CompressionTotals:
+    """Engine-wide counters (exported as metrics)."""
+
+    rounds: int = 0
+    tokens_dropped: int = 0
+    blocks_freed: int = 0
+    seconds: float = 0.0
+    finished: list[dict[str, Any]] = field(default_factory=list)
+
+
+class KaraScheduler(Scheduler):
+    """vLLM's scheduler plus periodic (or threshold) KV compression rounds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kv_config = engine_config(self.vllm_config.additional_config)
+        if self.kv_config is not None:
+            if self.cache_config.enable_prefix_caching:
+                raise ValueError(
+                    "enable_prefix_caching=True is invalid with KV compression: compacted blocks must never "
+                    "be shared; start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching)"
+                )
+            if self.kv_config.window % self.block_size:
+                raise ValueError(
+                    f"CompressionConfig.window={self.kv_config.window} is invalid: must be a positive multiple "
+                    f"of vLLM's block size {self.block_size}"
+                )
+        self.kv_cache_manager.__class__ = PhysicalKVCacheManager
+        self.kv_requests: dict[str, RequestCompression] = {}
+        self.kv_step = 0
+        self.kv_totals = CompressionTotals()
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        plan = self._plan() if self.kv_config is not None else None
+        output = super().schedule(*args, **kwargs)
+        if plan is not None:
+            # A request preempted in this very schedule() lost its blocks: nothing to compact.
+            gone = output.preempted_req_ids or set()
+            plan.compactions = [c for c in plan.compactions if c.req_id not in gone]
+            for req_id in gone:
+                plan.dropped.pop(req_id, None)
+                plan.keep_blocks.pop(req_id, None)
+            output.kvllm = plan
+        return output
+
+    def _tracked(self, request: Request) -> RequestCompression:
+        entry = self.kv_requests.get(request.request_id)
+        if entry is None:
+            try:
+                params = request.sampling_params
+                config = request_config(self.kv_config, params.extra_args if params is not None else None)
+            except ValueError as err:  # validated at the API boundary; never fail the engine
+                logger.warning("request %s: compression off: %s", request.request_id, err)
+                config = None
+            # Everything computed before decoding starts (the prompt, or all tokens of a
+            # request recomputed after preemption) is protected: its queries were not kept.
+            state = SeqState(prompt_len=request.num_computed_tokens)
+            entry = RequestCompression(config, None if config is None else build_policy(config), state)
+            self.kv_requests[request.request_id] = entry
+        return entry
+
+    def _plan(self) -> StepPlan:
+        self.kv_step += 1
+        plan = StepPlan()
+        for request in self.running:
+            if request.num_computed_tokens < request.num_tokens - 1:
+                continue  # still prefilling
+            entry = self._tracked(request)
+            if entry.policy is None:
+                continue
+            dropped = getattr(request, DROPPED, 0)
+            state = entry.state
+            state.logical_length = request.num_computed_tokens
+            state.length = request.num_computed_tokens - dropped
+            region = entry.policy.plan(state, self.kv_step)
+            if region is not None:
+                plan.compactions.append(Compaction(request.request_id, region, entry.config, state.length, dropped))
+                entry.policy.commit(state, region)
+                dropped += region.freed
+                setattr(request, DROPPED, dropped)
+                freed = self.kv_cache_manager.free_trailing_blocks(request.request_id, state.length)
+                plan.keep_blocks[request.request_id] = cdiv(state.length, self.block_size)
+                entry.tokens_dropped += region.freed
+                entry.blocks_freed += freed
+                self.kv_totals.rounds += 1
+                self.kv_totals.tokens_dropped += region.freed
+                self.kv_totals.blocks_freed += freed
+            plan.dropped[request.request_id] = dropped
+        return plan
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
+        seconds: dict[str, float] = getattr(model_runner_output, "kvllm_seconds", None) or {}
+        for req_id, s in seconds.items():
+            self.kv_totals.seconds += s
+            if req_id in self.kv_requests:
+                self.kv_requests[req_id].seconds += s
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, timestamp, *args, **kwargs)
+        # Preemption recomputes from token 0 with a full cache: start compression afresh.
+        setattr(request, DROPPED, 0)
+        self.kv_requests.pop(request.request_id, None)
+
+    def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super()._connector_finished(request)
+        entry = self.kv_requests.pop(request.request_id, None)
+        if entry is None:
+            return delay, params
+        stats = entry.stats()
+        self.kv_totals.finished.append(stats)
+        # Per-request statistics reach RequestOutput.kv_transfer_params.
+        return delay, {**(params or {}), "kvllm": stats}
+
+    def kv_stats(self) -> dict[str, Any]:
+        """Engine-wide compression counters."""
+        t = self.kv_totals
+        return {
+            "rounds": t.rounds,
+            "tokens_dropped": t.tokens_dropped,
+            "blocks_freed": t.blocks_freed,
+            "compress_seconds": t.seconds,
+            "free_blocks": self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "tracked_requests": len(self.kv_requests),
+        }
