@@ -23,9 +23,12 @@ $(DEMO_MODEL): $(STAMP)
 	$(PY) tools/make_tiny_model.py $(DEMO_MODEL)
 
 demo: $(STAMP) $(DEMO_MODEL)
+	# 1. The reference backend (transformers): texts and per-sequence cache statistics.
 	$(VENV)/bin/kvllm generate --model $(DEMO_MODEL) --method kara --retention 0.2 \
 		--window 64 --buffer 16 --period 8 --max-new-tokens 400 \
 		"let v1 = 41 and v2 = 13, then compute v3 = v1 + v2" "the answer is"
+	# 2. KvLLM proper: `kvllm serve` (vLLM's OpenAI server with Kara), one chat request.
+	$(PY) tools/demo_serve.py $(DEMO_MODEL)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

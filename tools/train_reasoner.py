@@ -25,6 +25,9 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from kvllm.eval.tasks import END_THINK, FAMILIES, THINK, TRAIN_SEEDS, Difficulty, make_task
 
+# A chat turn is a task prompt without its thinking marker; the template adds it back.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK
+
 
 def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE over generated task text; every digit is its own token."""
@@ -44,12 +47,14 @@ def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
     tok.train_from_iterator(corpus, trainer=trainer)
     # Reasoning markers are plain (non-special) tokens, so decoded text keeps them.
     tok.add_tokens([AddedToken(THINK, normalized=False), AddedToken(END_THINK, normalized=False)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def _difficulty(rng: random.Random, progress: float, steps: int | None = None) -> Difficulty:
     """Mixed lengths; the longest programs grow with training progress (a curriculum)."""
-    top = round(12 + (48 - 12) * min(1.0, 1.5 * progress))
+    top = round(6 + (48 - 6) * min(1.0, progress / 0.6))
     steps = steps if steps is not None else rng.randint(4, top)
     return Difficulty(constants=rng.randint(6, 16), steps=steps, depth=rng.random())
 
@@ -88,8 +93,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=384)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--batch-tokens", type=int, default=6144)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
     args = p.parse_args()
@@ -131,7 +136,7 @@ def main() -> None:
     model.train()
     while (elapsed := time.perf_counter() - start) < budget:
         progress = elapsed / budget
-        warm = min(1.0, (step + 1) / 100)
+        warm = min(1.0, (step + 1) / 50)
         lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in opt.param_groups:
             group["lr"] = lr
@@ -143,7 +148,7 @@ def main() -> None:
         opt.step()
         step += 1
         tokens += int(mask.sum())
-        log_loss += float(loss)
+        log_loss += loss.item()
         log_n += 1
         if time.perf_counter() - last_log > args.log_every:
             now = time.perf_counter() - start

@@ -24,7 +24,10 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.worker import cpu_worker
 
+    from kvllm.vllm import server
     from kvllm.vllm.runner import KaraCPUModelRunner
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "kvllm.vllm.capture.CapturingCPUAttentionBackend")
     cpu_worker.CPUModelRunner = KaraCPUModelRunner
+    if os.environ.get(server.ENV):  # started by `kvllm serve`
+        server.install_metrics()

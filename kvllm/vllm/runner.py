@@ -64,7 +64,6 @@ class KaraCPUModelRunner(CPUModelRunner):
             head_dim=first.head_size,
             dtype=self.model_config.dtype,
         )
-        CAPTURE.ring = self.kv_ring
         CAPTURE.layer_of = {layer.layer_name: i for i, layer in enumerate(self.kv_layers)}
 
     # -- per step ------------------------------------------------------------------
@@ -104,6 +103,7 @@ class KaraCPUModelRunner(CPUModelRunner):
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        CAPTURE.rows = None  # capture state is per step (and per engine, in one process)
         if self.kv_config is None or self.kv_ring is None:
             return out
         n_reqs = self.input_batch.num_reqs
@@ -130,11 +130,10 @@ class KaraCPUModelRunner(CPUModelRunner):
                 slots.append(ring.slot(req_id))
                 positions.append(int(self.input_batch.num_computed_tokens_cpu[i]) % ring.ring)
         if rows:
+            CAPTURE.ring = ring
             CAPTURE.rows = torch.tensor(rows, dtype=torch.long)
             CAPTURE.slots = torch.tensor(slots, dtype=torch.long)
             CAPTURE.positions = torch.tensor(positions, dtype=torch.long)
-        else:
-            CAPTURE.rows = None
 
     # -- compaction ----------------------------------------------------------------
     def _compact(self, compactions: list[Compaction]) -> None:

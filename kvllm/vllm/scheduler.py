@@ -87,6 +87,7 @@ class CompressionTotals:
     """Engine-wide counters (exported as metrics)."""
 
     rounds: int = 0
+    preemptions: int = 0
     tokens_dropped: int = 0
     blocks_freed: int = 0
     seconds: float = 0.0
@@ -186,6 +187,7 @@ class KaraScheduler(Scheduler):
         # Preemption recomputes from token 0 with a full cache: start compression afresh.
         setattr(request, DROPPED, 0)
         self.kv_requests.pop(request.request_id, None)
+        self.kv_totals.preemptions += 1
 
     def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super()._connector_finished(request)
@@ -202,6 +204,7 @@ class KaraScheduler(Scheduler):
         t = self.kv_totals
         return {
             "rounds": t.rounds,
+            "preemptions": t.preemptions,
             "tokens_dropped": t.tokens_dropped,
             "blocks_freed": t.blocks_freed,
             "compress_seconds": t.seconds,

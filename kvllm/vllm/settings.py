@@ -9,6 +9,7 @@ same dict as ``extra_body={"kvllm": {...}}``.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from kvllm.config import CompressionConfig
@@ -44,6 +45,11 @@ def request_config(base: CompressionConfig | None, extra_args: dict[str, Any] | 
     raw = (extra_args or {}).get(KEY)
     if raw is None:
         return base
+    if isinstance(raw, str):  # the OpenAI server forwards it as a JSON string (vllm_xargs)
+        try:
+            raw = json.loads(raw)
+        except ValueError as err:
+            raise ValueError(f"{KEY} must be a JSON object: {err}") from err
     if not isinstance(raw, dict):
         raise ValueError(f"{KEY} must be an object with any of {', '.join(OVERRIDABLE)}, got {raw!r}")
     unknown = set(raw) - set(OVERRIDABLE)

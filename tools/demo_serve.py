@@ -1,0 +1,67 @@
+"""Demo: start `kvllm serve` on a model, ask one chat question through the openai client,
+print the answer and the compression statistics, and stop the server.
+
+Usage: python tools/demo_serve.py [MODEL_DIR]   (default: the shipped model)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+from transformers import AutoTokenizer
+
+from kvllm.assets import model_path
+from kvllm.eval.tasks import THINK, Difficulty, make_task
+
+PORT = 8765
+
+
+def main() -> None:
+    model = sys.argv[1] if len(sys.argv) > 1 else str(model_path())
+    args = [sys.executable, "-m", "kvllm.cli", "serve", model, "--kv-retention", "0.2", "--kv-window", "128"]
+    args += ["--dtype", "float32", "--max-model-len", "4096", "--gpu-memory-utilization", "0.3"]
+    args += ["--host", "127.0.0.1", "--port", str(PORT), "--enforce-eager"]
+    if not AutoTokenizer.from_pretrained(model).chat_template:
+        # A chat turn is a task prompt; the template appends the thinking marker.
+        args += ["--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK]
+    start = time.monotonic()
+    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=dict(os.environ))
+    base = f"http://127.0.0.1:{PORT}"
+    try:
+        while True:
+            if server.poll() is not None:
+                sys.exit(f"kvllm serve exited with {server.returncode}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        print(f"server up in {time.monotonic() - start:.0f} s")
+        task = make_task("trace", 7, Difficulty(constants=8, steps=30))
+        question = task.prompt.removesuffix(THINK).rstrip()
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        t0 = time.monotonic()
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": question}], max_tokens=1200, temperature=0.0
+        )
+        elapsed = time.monotonic() - t0
+        text = reply.choices[0].message.content
+        print("question:", question.splitlines()[0], f"({len(question.splitlines()) - 1} program lines)")
+        print("answer tail:", text.strip().splitlines()[-1], f"(expected {task.answer})")
+        stats = reply.model_extra["kv_transfer_params"]["kvllm"]
+        print(f"{reply.usage.completion_tokens} tokens in {elapsed:.1f} s; compression: {stats}")
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        print("\n".join(line for line in metrics.splitlines() if re.match(r"^kvllm:\w+_total ", line)))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
