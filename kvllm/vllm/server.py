@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvllm.config import CompressionConfig
-from kvllm.vllm.settings import KEY, check_paged, request_config
+from kvllm.vllm.settings import KEY, OVERRIDABLE, check_paged, request_config
 
 ENV = "KVLLM_SERVE_CONFIG"
 PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -85,6 +85,8 @@ class KvllmMiddleware:
         if KEY not in data:
             return body
         overrides = data.pop(KEY)
+        if not isinstance(overrides, dict):  # a string here is not the internal JSON form
+            raise ValueError(f"{KEY} must be an object with any of {', '.join(OVERRIDABLE)}, got {overrides!r}")
         request_config(self.base, {KEY: overrides})
         xargs = data.get("vllm_xargs") or {}
         xargs[KEY] = json.dumps(overrides)
