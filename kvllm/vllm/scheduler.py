@@ -194,6 +194,9 @@ class KaraScheduler(Scheduler):
         entry = self.kv_requests.pop(request.request_id, None)
         if entry is None:
             return delay, params
+        # Lengths as of the last forward (the state was last synced when planning it).
+        entry.state.logical_length = request.num_computed_tokens
+        entry.state.length = request.num_computed_tokens - getattr(request, DROPPED, 0)
         stats = entry.stats()
         self.kv_totals.finished.append(stats)
         # Per-request statistics reach RequestOutput.kv_transfer_params.

@@ -141,6 +141,24 @@ def test_per_request_overrides(tiny_model: str) -> None:
     assert off["compressions"] == 0 and off["method"] is None
 
 
+def test_threshold_policy_recompresses_to_budget(tiny_model: str) -> None:
+    """The SnapKV-style baseline policy inside vLLM: the generated region shrinks back to
+    the budget each time it reaches budget + interval."""
+    config = CompressionConfig(
+        method="snapkv", policy="threshold", window=32, buffer=8, threshold_budget=64, threshold_interval=32
+    )
+    with engine(tiny_model, config) as llm:
+        outs = llm.generate(PROMPTS[:4], greedy(200))
+        assert scheduler(llm).kv_totals.rounds > 0
+    for out in outs:
+        stats = out.compression
+        generated = stats["physical_length"] - len(out.prompt_token_ids)
+        # 199 generated tokens were cached: rounds at 96, 128, 160, 192 generated slots.
+        assert stats["compressions"] == 4
+        assert generated < config.threshold_budget + config.threshold_interval
+        assert stats["logical_length"] == len(out.prompt_token_ids) + 199
+
+
 @pytest.mark.parametrize(
     ("compression", "kwargs", "message"),
     [
