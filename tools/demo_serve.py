@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -18,31 +17,22 @@ from transformers import AutoTokenizer
 
 from kvllm.assets import model_path
 from kvllm.eval.tasks import THINK, Difficulty, make_task
+from kvllm.vllm.launch import start_server, stop, wait_healthy
 
 PORT = 8765
 
 
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else str(model_path())
-    args = [sys.executable, "-m", "kvllm.cli", "serve", model, "--kv-retention", "0.2", "--kv-window", "128"]
-    args += ["--dtype", "float32", "--max-model-len", "4096", "--gpu-memory-utilization", "0.3"]
-    args += ["--host", "127.0.0.1", "--port", str(PORT), "--enforce-eager"]
+    flags = ["--kv-retention", "0.2", "--kv-window", "128", "--dtype", "float32", "--max-model-len", "4096"]
+    flags += ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
     if not AutoTokenizer.from_pretrained(model).chat_template:
         # A chat turn is a task prompt; the template appends the thinking marker.
-        args += ["--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK]
-    start = time.monotonic()
-    server = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=dict(os.environ))
-    base = f"http://127.0.0.1:{PORT}"
+        flags += ["--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK]
+    server, base = start_server(model, PORT, flags, env=dict(os.environ))
     try:
-        while True:
-            if server.poll() is not None:
-                sys.exit(f"kvllm serve exited with {server.returncode}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        print(f"server up in {time.monotonic() - start:.0f} s")
+        up = wait_healthy(server, base, timeout=600)
+        print(f"server up in {up:.0f} s")
         task = make_task("trace", 7, Difficulty(constants=8, steps=30))
         question = task.prompt.removesuffix(THINK).rstrip()
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
@@ -59,8 +49,7 @@ def main() -> None:
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         print("\n".join(line for line in metrics.splitlines() if re.match(r"^kvllm:\w+_total ", line)))
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop(server)
 
 
 if __name__ == "__main__":

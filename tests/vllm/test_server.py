@@ -6,15 +6,13 @@ import asyncio
 import os
 import re
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
+from kvllm.vllm.launch import start_server, stop, wait_healthy
 from tests.vllm.conftest import PROMPTS
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
@@ -28,37 +26,21 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    args = [sys.executable, "-m", "kvllm.cli", "serve", tiny_model]
-    args += ["--kv-window", "32", "--kv-buffer", "8", "--kv-period", "4", "--kv-retention", "0.25"]
-    args += ["--dtype", "float32", "--block-size", "32", "--max-model-len", "512", "--enforce-eager"]
-    args += ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "128", "--max-num-seqs", "32"]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--chat-template", TEMPLATE]
-    with log.open("w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    flags = ["--kv-window", "32", "--kv-buffer", "8", "--kv-period", "4", "--kv-retention", "0.25"]
+    flags += ["--dtype", "float32", "--block-size", "32", "--max-model-len", "512", "--enforce-eager"]
+    flags += ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "128", "--max-num-seqs", "32"]
+    flags += ["--chat-template", TEMPLATE]
+    process, base = start_server(tiny_model, _free_port(), flags, log=log, env=env)
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
+        try:
+            wait_healthy(process, base, timeout=300)
+        except (RuntimeError, TimeoutError) as err:
+            pytest.fail(f"{err}:\n{log.read_text()[-3000:]}")
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(process)
 
 
 def _client(base: str) -> openai.AsyncOpenAI:
