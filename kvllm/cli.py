@@ -67,6 +67,7 @@ def generate(
     temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate all max-new-tokens (equal work per run).")] = False,
 ) -> None:
     """Generate with KV compression and print the texts and the cache statistics."""
     from kvllm.hf import generate as hf_generate
@@ -93,6 +94,7 @@ def generate(
             temperature=temperature,
             top_p=top_p,
             seed=seed,
+            stop_at_eos=not ignore_eos,
             on_step=lambda n: progress.update(task, completed=n),
         )
         elapsed = time.perf_counter() - start
