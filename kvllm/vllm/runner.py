@@ -152,34 +152,44 @@ class KaraCPUModelRunner(CPUModelRunner):
     def _compact_group(
         self, group: list[Compaction], n_compress: int, span: int, n_queries: int, budget: int, config: Any
     ) -> None:
+        """One selection for every request of the group; each layer read and written once."""
         bs = self.cache_config.block_size
         ring = self.kv_ring
-        keys, queries, tables = [], [], []
-        for c in group:
-            table = torch.tensor(self.requests[c.req_id].block_ids[0], dtype=torch.long)
-            tables.append(table)
-            span_slots = paged.slots_of(table, torch.arange(c.region.start, c.region.start + span), bs)
-            keys.append(torch.stack([paged.read(layer.kv_cache, span_slots)[0] for layer in self.kv_layers]))
-            # The scoring queries are the span's last tokens: tail slots, never compressed.
-            first = c.region.start + span - n_queries + c.dropped
-            pos = torch.arange(first, first + n_queries) % ring.ring
-            slot = ring.slot(c.req_id)
-            queries.append(torch.stack([q[slot, pos].transpose(0, 1) for q in ring.queries]))
-        window = Window(queries=torch.stack(queries), keys=torch.stack(keys), n_compress=n_compress)
+        tables = [torch.tensor(self.requests[c.req_id].block_ids[0], dtype=torch.long) for c in group]
+        offsets = torch.arange(span)
+        span_slots = torch.stack(
+            [paged.slots_of(t, c.region.start + offsets, bs) for c, t in zip(group, tables, strict=True)]
+        )  # [B, span]
+        # The scoring queries are the span's last tokens: tail slots, never compressed.
+        first = torch.tensor([c.region.start + span - n_queries + c.dropped for c in group])
+        positions = (first.unsqueeze(1) + torch.arange(n_queries)) % ring.ring  # [B, nq]
+        ring_slots = torch.tensor([ring.slot(c.req_id) for c in group]).unsqueeze(1)
+        b = len(group)
+        keys, queries = [], []
+        for layer, q in zip(self.kv_layers, ring.queries, strict=True):
+            k = paged.read(layer.kv_cache, span_slots.flatten())[0]  # [Hkv, B * span, D]
+            keys.append(k.unflatten(1, (b, span)).transpose(0, 1))
+            queries.append(q[ring_slots, positions].permute(0, 2, 1, 3))  # [B, Hq, nq, D]
+        window = Window(queries=torch.stack(queries, dim=1), keys=torch.stack(keys, dim=1), n_compress=n_compress)
         kept = build(config).select(window, budget).indices  # [B, L, Hkv, m]
-        for b, c in enumerate(group):
-            self._rewrite(c, kept[b], tables[b], bs)
+        self._rewrite(group, kept, tables, bs)
 
-    def _rewrite(self, c: Compaction, kept: torch.Tensor, table: torch.Tensor, bs: int) -> None:
-        """Kept slots then the rest of the sequence, written contiguously from the region start."""
-        r = c.region
-        tail = torch.arange(r.start + r.n_compress, c.length)
-        n_layers, heads, _ = kept.shape
-        src = torch.cat([r.start + kept, tail.expand(n_layers, heads, -1)], dim=-1)  # [L, Hkv, n]
-        dst = paged.slots_of(table, torch.arange(r.start, r.start + src.shape[-1]), bs)
+    def _rewrite(self, group: list[Compaction], kept: torch.Tensor, tables: list[torch.Tensor], bs: int) -> None:
+        """Per request: kept slots, then the rest of the sequence, written contiguously from
+        the region start. All requests of the group go through one read and one write per layer."""
+        n_layers, heads = kept.shape[1:3]
+        src, dst = [], []
+        for c, idx, table in zip(group, kept, tables, strict=True):
+            r = c.region
+            tail = torch.arange(r.start + r.n_compress, c.length).expand(n_layers, heads, -1)
+            positions = torch.cat([r.start + idx, tail], dim=-1)  # [L, Hkv, n]
+            src.append(paged.slots_of(table, positions, bs))
+            dst.append(paged.slots_of(table, torch.arange(r.start, r.start + positions.shape[-1]), bs))
+        src_slots, dst_slots = torch.cat(src, dim=-1), torch.cat(dst)
         for i, layer in enumerate(self.kv_layers):
-            k, v = paged.read(layer.kv_cache, paged.slots_of(table, src[i], bs))  # [Hkv, n, D]
-            paged.write(layer.kv_cache, k.transpose(0, 1), v.transpose(0, 1), dst, layer.isa)
+            # Read everything first: within a request, sources and destinations overlap.
+            k, v = paged.read(layer.kv_cache, src_slots[i])  # [Hkv, n, D]
+            paged.write(layer.kv_cache, k.transpose(0, 1), v.transpose(0, 1), dst_slots, layer.isa)
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = super().sample_tokens(grammar_output)
