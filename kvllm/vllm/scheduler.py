@@ -11,7 +11,7 @@ worker's slot mapping and attention lengths.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.utils.math_utils import cdiv
@@ -91,7 +91,6 @@ class CompressionTotals:
     tokens_dropped: int = 0
     blocks_freed: int = 0
     seconds: float = 0.0
-    finished: list[dict[str, Any]] = field(default_factory=list)
 
 
 class KaraScheduler(Scheduler):
@@ -112,6 +111,17 @@ class KaraScheduler(Scheduler):
                     f"of vLLM's block size {self.block_size}"
                 )
         self.kv_cache_manager.__class__ = PhysicalKVCacheManager
+        self.kv_query_bytes = 0
+        if self.kv_config is not None:
+            # The worker's query ring, outside the KV pool: layers x Hq x (W + b + P) x D.
+            m, parallel = self.vllm_config.model_config, self.vllm_config.parallel_config
+            self.kv_query_bytes = (
+                m.get_num_layers(parallel)
+                * m.get_num_attention_heads(parallel)
+                * self.kv_config.query_buffer_len
+                * m.get_head_size()
+                * m.dtype.itemsize
+            )
         self.kv_requests: dict[str, RequestCompression] = {}
         self.kv_step = 0
         self.kv_totals = CompressionTotals()
@@ -197,8 +207,7 @@ class KaraScheduler(Scheduler):
         # Lengths as of the last forward (the state was last synced when planning it).
         entry.state.logical_length = request.num_computed_tokens
         entry.state.length = request.num_computed_tokens - getattr(request, DROPPED, 0)
-        stats = entry.stats()
-        self.kv_totals.finished.append(stats)
+        stats = {**entry.stats(), "query_buffer_bytes": self.kv_query_bytes if entry.config else 0}
         # Per-request statistics reach RequestOutput.kv_transfer_params.
         return delay, {**(params or {}), "kvllm": stats}
 
@@ -212,5 +221,6 @@ class KaraScheduler(Scheduler):
             "blocks_freed": t.blocks_freed,
             "compress_seconds": t.seconds,
             "free_blocks": self.kv_cache_manager.block_pool.get_num_free_blocks(),
+            "query_buffer_bytes_per_request": self.kv_query_bytes,
             "tracked_requests": len(self.kv_requests),
         }

@@ -107,6 +107,8 @@ def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str) -> None
     with engine(tiny_model, KARA, num_gpu_blocks_override=24) as llm:
         result = _step_all(llm, PROMPTS, greedy(200), abort_at={0: 3, 5: 40, 9: 90, 17: 150})
         sched, run = scheduler(llm), runner(llm)
+        # The scheduler's reported buffer size is the worker's real one.
+        assert sched.kv_stats()["query_buffer_bytes_per_request"] == run.kv_ring.bytes_per_request
         pool = sched.kv_cache_manager.block_pool
         assert sched.kv_totals.preemptions > 0 and sched.kv_totals.rounds > 0
         assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
