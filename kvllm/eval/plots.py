@@ -21,10 +21,12 @@ def accuracy_table(results: Sequence[CellResult]) -> dict[str, dict[str, dict[fl
     for r in results:
         if r.method != FULL:
             table[r.family][r.method][r.retention] = r.accuracy
-    for family, methods in table.items():
-        if family in full:
-            for curve in methods.values():
-                curve[1.0] = full[family]
+    for family, acc in full.items():
+        if table[family]:
+            for curve in table[family].values():
+                curve[1.0] = acc
+        else:  # a Full-KV-only grid still gets its point
+            table[family][FULL] = {1.0: acc}
     families = sorted(table)
     if len(families) > 1:
         methods = set.intersection(*(set(table[f]) for f in families))

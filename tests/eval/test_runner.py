@@ -79,3 +79,14 @@ def test_eval_rejects_bad_grid(tiny: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["eval", "--model", str(tiny), "--out", str(tmp_path), "--retentions", "0"])
     assert result.exit_code != 0
     assert "retention=0.0" in result.output
+
+
+def test_plot_of_a_full_kv_only_grid(tmp_path: Path) -> None:
+    from kvllm.eval.plots import accuracy_table, plot_accuracy
+    from kvllm.eval.runner import CellResult
+
+    results = [
+        CellResult(FULL, 1.0, family, 2, 1, 0.5, 10.0, 1.0, 0.1, [True, False]) for family in ("trace", "gen-needle")
+    ]
+    assert accuracy_table(results)["trace"] == {FULL: {1.0: 0.5}}
+    assert plot_accuracy(results, tmp_path / "a.png").stat().st_size > 0
