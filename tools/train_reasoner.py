@@ -53,9 +53,13 @@ def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
 
 
 def _difficulty(rng: random.Random, progress: float, steps: int | None = None) -> Difficulty:
-    """Mixed lengths; the longest programs grow with training progress (a curriculum)."""
-    top = round(6 + (48 - 6) * min(1.0, progress / 0.6))
-    steps = steps if steps is not None else rng.randint(4, top)
+    """Mixed lengths; the longest programs grow with training progress (a curriculum).
+
+    Short programs first (many lines per batch), so the copy circuits form before the
+    sequences get long; run 4 of ``docs/training-attempts.md`` only left its plateau late.
+    """
+    top = round(8 + (48 - 8) * min(1.0, max(0.0, progress - 0.15) / 0.35))
+    steps = steps if steps is not None else rng.randint(2, top)
     return Difficulty(constants=rng.randint(6, 16), steps=steps, depth=rng.random())
 
 
@@ -94,6 +98,8 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=384)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100, help="optimizer steps of linear warm-up")
+    p.add_argument("--decay", type=float, default=0.2, help="final share of the time the learning rate decays")
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
@@ -129,19 +135,24 @@ def main() -> None:
         lr=args.lr,
         betas=(0.9, 0.98),
     )
+    digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
     budget = args.minutes * 60
     start = time.perf_counter()
-    step, tokens, log_loss, log_n = 0, 0, 0.0, 0
+    step, tokens, log_loss, log_n, log_hit, log_digits = 0, 0, 0.0, 0, 0, 0
     last_log = start
     model.train()
     while (elapsed := time.perf_counter() - start) < budget:
         progress = elapsed / budget
-        warm = min(1.0, (step + 1) / 50)
-        lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        # Constant after warm-up, cosine down to a tenth in the last ``decay`` share only:
+        # the copy circuits need many steps at a high rate to form.
+        warm = min(1.0, (step + 1) / args.warmup)
+        tail = max(0.0, (progress - (1 - args.decay)) / args.decay)
+        lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
         for group in opt.param_groups:
             group["lr"] = lr
         input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, progress)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
+        loss = out.loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -150,14 +161,22 @@ def main() -> None:
         tokens += int(mask.sum())
         log_loss += loss.item()
         log_n += 1
+        # Teacher-forced accuracy on digit targets: the values copied and computed, the
+        # part of the chain of thought that the format alone does not predict.
+        with torch.no_grad():
+            target = labels[:, 1:]
+            digits = torch.isin(target, digit_ids)
+            log_hit += int(((out.logits[:, :-1].argmax(-1) == target) & digits).sum())
+            log_digits += int(digits.sum())
         if time.perf_counter() - last_log > args.log_every:
             now = time.perf_counter() - start
             print(
-                f"{now / 60:5.1f} min step {step} loss {log_loss / log_n:.4f} lr {lr:.2e} "
+                f"{now / 60:5.1f} min step {step} loss {log_loss / log_n:.4f} "
+                f"digit acc {log_hit / max(1, log_digits):.3f} lr {lr:.2e} "
                 f"{tokens / now:.0f} tok/s ({tokens / 1e6:.2f}M tokens)",
                 flush=True,
             )
-            log_loss, log_n, last_log = 0.0, 0, time.perf_counter()
+            log_loss, log_n, log_hit, log_digits, last_log = 0.0, 0, 0, 0, time.perf_counter()
 
     wall = time.perf_counter() - start
     model.eval()

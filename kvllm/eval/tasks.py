@@ -5,17 +5,25 @@ is a pure function of its family, its seed and its difficulty knobs, so train an
 sets are disjoint by seed (:data:`TEST_SEEDS` vs :data:`TRAIN_SEEDS`). Families:
 
 ``trace``
-    The prompt is a program of constants and assignments over two-letter variables
-    (values 0-99, ``+`` and ``-`` mod 100, each statement reading 1-2 earlier variables
-    chosen uniformly among all earlier ones, so reads reach back hundreds of tokens).
-    The chain of thought evaluates it line by line, ``ce = bo + ku = 41 + 13 = 54``;
-    the answer is the last variable's value.
+    The prompt is a program of constants and assignments (values 00-99, ``+`` and ``-``
+    mod 100, each statement reading two earlier variables, possibly the same one, chosen
+    uniformly among all earlier ones, so reads reach back hundreds of tokens). The chain
+    of thought evaluates it line by line, ``ce = bo + ku = 41 + 13 = 54``; the answer is
+    the last variable's value.
 ``gen-needle``
     The first line of the chain of thought derives a fact, ``key = 37 + 48 = 85``;
     then comes a long trace that never reads it; the answer recalls ``key``.
 ``prompt-needle``
     A line ``code = 85`` sits in the prompt at a chosen depth among the program's
     lines; after the long trace, the answer recalls ``code`` from the prompt.
+
+The format is regular on purpose, so that a model of a few million parameters trained
+for minutes on a CPU can learn it (``docs/training-attempts.md``): variables are named
+in the order of :data:`NAMES` from a random start (the next statement's name follows
+from the previous one), every value has two digits, and every chain-of-thought line
+has the same number of tokens. What is left to learn is what compression can break:
+copying each statement from the prompt and each operand's value from where it was
+written, hundreds of tokens back.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ class Difficulty:
     constants
         Variables given a value in the prompt.
     steps
-        Assignments the chain of thought evaluates (about 16 tokens each).
+        Assignments the chain of thought evaluates (18 tokens each with the shipped tokenizer).
     depth
         ``prompt-needle``: where the needle sits among the prompt's lines, in [0, 1].
     """
@@ -75,25 +83,21 @@ class Task:
 
 def _program(rng: random.Random, d: Difficulty) -> tuple[list[str], list[str], str, dict[str, int]]:
     """Prompt lines, chain-of-thought lines, the last variable and all values."""
-    names = rng.sample(NAMES, d.constants + d.steps)
+    start = rng.randrange(len(NAMES))
+    names = [NAMES[(start + i) % len(NAMES)] for i in range(d.constants + d.steps)]
     values: dict[str, int] = {}
     prompt, cot = [], []
     for name in names[: d.constants]:
         values[name] = rng.randrange(100)
-        prompt.append(f"{name} = {values[name]}")
+        prompt.append(f"{name} = {values[name]:02d}")
     for name in names[d.constants :]:
         defined = list(values)
         op = rng.choice("+-")
-        x = rng.choice(defined)
-        if rng.random() < 0.7:
-            y = rng.choice(defined)
-            vy, shown = values[y], y
-        else:
-            vy = rng.randrange(1, 100)
-            shown = str(vy)
-        values[name] = (values[x] + vy) % 100 if op == "+" else (values[x] - vy) % 100
-        prompt.append(f"{name} = {x} {op} {shown}")
-        cot.append(f"{name} = {x} {op} {shown} = {values[x]} {op} {vy} = {values[name]}")
+        x, y = rng.choice(defined), rng.choice(defined)
+        vx, vy = values[x], values[y]
+        values[name] = (vx + vy) % 100 if op == "+" else (vx - vy) % 100
+        prompt.append(f"{name} = {x} {op} {y}")
+        cot.append(f"{name} = {x} {op} {y} = {vx:02d} {op} {vy:02d} = {values[name]:02d}")
     return prompt, cot, names[-1], values
 
 
@@ -108,16 +112,16 @@ def make_task(family: str, seed: int, difficulty: Difficulty | None = None) -> T
     if family == "gen-needle":
         a, b = rng.randrange(100), rng.randrange(100)
         ask, answer = "key", (a + b) % 100
-        prompt.insert(0, f"key = {a} + {b}")
-        cot.insert(0, f"key = {a} + {b} = {a} + {b} = {answer}")
+        prompt.insert(0, f"key = {a:02d} + {b:02d}")
+        cot.insert(0, f"key = {a:02d} + {b:02d} = {answer:02d}")
     elif family == "prompt-needle":
         ask, answer = "code", rng.randrange(100)
-        prompt.insert(round(d.depth * len(prompt)), f"code = {answer}")
+        prompt.insert(round(d.depth * len(prompt)), f"code = {answer:02d}")
     # Every line starts with a space, so a name is the same token wherever it appears.
-    lines = [f"{family}: evaluate and report {ask}.", *prompt, THINK, *cot, END_THINK, f"{ask} = {answer}"]
+    lines = [f"{family}: evaluate and report {ask}.", *prompt, THINK, *cot, END_THINK, f"{ask} = {answer:02d}"]
     text = "\n ".join(lines)
     split = text.index(THINK) + len(THINK)
-    return Task(family=family, seed=seed, prompt=text[:split], target=text[split:], answer=str(answer))
+    return Task(family=family, seed=seed, prompt=text[:split], target=text[split:], answer=f"{answer:02d}")
 
 
 _ANSWER = re.compile(r"=\s*(\d+)")

@@ -20,7 +20,7 @@ def test_reference_completion_is_right_and_wrong_answers_are_not(family: str) ->
     task = make_task(family, 3)
     assert task.prompt.endswith(THINK)
     assert grade(task, task.target)
-    wrong = str((int(task.answer) + 1) % 100)
+    wrong = f"{(int(task.answer) + 1) % 100:02d}"
     assert not grade(task, task.target.rsplit("=", 1)[0] + f"= {wrong}")
     assert not grade(task, task.target.replace(END_THINK, ""))  # no final answer section
     assert not grade(task, "")
@@ -40,11 +40,24 @@ def test_trace_lines_are_correct_arithmetic() -> None:
         assert m, line
         name, x, op, y, vx, vy, result = m.groups()
         assert int(vx) == values[x]
-        assert int(vy) == (values[y] if y in values else int(y))
+        assert int(vy) == values[y]
         expected = (int(vx) + int(vy)) % 100 if op == "+" else (int(vx) - int(vy)) % 100
         assert int(result) == expected
         values[name] = expected
-    assert task.answer == str(values[cot[-1].split()[0]])
+    assert task.answer == f"{values[cot[-1].split()[0]]:02d}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_format_is_regular(family: str) -> None:
+    """Names follow NAMES order, values have two digits, chain-of-thought lines one shape."""
+    task = make_task(family, 5, Difficulty(constants=7, steps=25))
+    names = [line.split()[0] for line in task.prompt.splitlines()[1:-1] if line.split()[0] not in ("key", "code")]
+    start = NAMES.index(names[0])
+    assert names == [NAMES[(start + i) % len(NAMES)] for i in range(len(names))]
+    assert all(len(n) == 2 for n in re.findall(r"\d+", task.text.split("\n", 1)[1]))
+    trace = [line for line in task.target.split(END_THINK)[0].splitlines() if line.strip()]
+    trace = [line for line in trace if not line.strip().startswith("key")]
+    assert len({len(line) for line in trace}) == 1
 
 
 def test_needles() -> None:
