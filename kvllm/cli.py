@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvllm.bench.shapes import SHAPES
+from kvllm.bench.throughput import SYSTEMS
 from kvllm.config import CompressionConfig
 from kvllm.eval.runner import DEFAULT_METHODS, DEFAULT_RETENTIONS, FULL, cells
 from kvllm.eval.tasks import FAMILIES
@@ -36,14 +38,27 @@ def _load(model: Path | None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = _load_path(model)
+    tok = AutoTokenizer.from_pretrained(path)
+    # fp32: on CPUs without AMX/AVX-512 bf16 matmul is emulated and far slower.
+    return tok, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _tasks(family: str, n: int, steps: int) -> list:
+    from kvllm.eval.tasks import Difficulty, make_task
+
+    difficulty = Difficulty(constants=8, steps=steps)
+    return [make_task(family, seed, difficulty) for seed in range(n)]
+
+
+def _load_path(model: Path | None) -> Path:
+    """``model`` or the shipped default, checked to be a model directory."""
     from kvllm.assets import model_path
 
     path = model if model is not None else model_path()
     if not path.is_dir():
         raise typer.BadParameter(f"--model {path} is not a model directory")
-    tok = AutoTokenizer.from_pretrained(path)
-    # fp32: on CPUs without AMX/AVX-512 bf16 matmul is emulated and far slower.
-    return tok, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path
 
 
 def _csv(value: str, cast=str) -> list:
@@ -52,7 +67,12 @@ def _csv(value: str, cast=str) -> list:
 
 @app.command()
 def generate(
-    prompts: Annotated[list[str], typer.Argument(help="One or more prompts, generated as one batch.")],
+    prompts: Annotated[list[str] | None, typer.Argument(help="One or more prompts, generated as one batch.")] = None,
+    task: Annotated[
+        str | None, typer.Option(help=f"Instead of PROMPTS: held-out tasks ({', '.join(FAMILIES)}), graded.")
+    ] = None,
+    n_tasks: Annotated[int, typer.Option(help="With --task: how many (seeds 0..n-1).")] = 2,
+    steps: Annotated[int, typer.Option(help="With --task: program steps (CoT about 18 tokens each).")] = 30,
     model: Annotated[
         Path | None, typer.Option(help="Local model directory (transformers format); default: the shipped model.")
     ] = None,
@@ -78,8 +98,13 @@ def generate(
             config = CompressionConfig(
                 method=method, retention=retention, window=window, buffer=buffer, period=period, policy=policy
             )
+        tasks = _tasks(task, n_tasks, steps) if task is not None else []
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
+    if tasks:
+        prompts = [t.prompt for t in tasks]
+    if not prompts:
+        raise typer.BadParameter("give PROMPTS or --task")
     tok, lm = _load(model)
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
@@ -101,6 +126,12 @@ def generate(
     for i, text in enumerate(result.texts):
         console.rule(f"prompt {i}")
         console.print(prompts[i] + text, markup=False, highlight=False)
+        if tasks:
+            from kvllm.eval.tasks import extract_answer
+
+            got = extract_answer(text)
+            verdict = "right" if got == tasks[i].answer else "wrong"
+            console.print(f"answer {got} (expected {tasks[i].answer}): {verdict}", highlight=False)
     table = Table(title=f"cache statistics ({method}, retention {retention})")
     for col in ("seq", "new tokens", "logical len", "physical len", "kept %", "rounds", "compress s"):
         table.add_column(col, justify="right")
@@ -313,6 +344,98 @@ def bench_selection(
         table.add_row(name, str(batch), f"{t.median_ms:.1f}", f"{t.min_ms:.1f}", f"{t.max_ms:.1f}")
     console.print(table)
     console.print(f"torch threads: {torch.get_num_threads()}")
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    model: Annotated[Path | None, typer.Option(help="Model directory (default: the shipped model).")] = None,
+    shape: Annotated[
+        str | None, typer.Option(help=f"Random-weight model of a larger shape instead: {', '.join(SHAPES)}.")
+    ] = None,
+    system: Annotated[list[str], typer.Option(help="Systems to run (repeatable).")] = list(SYSTEMS),  # noqa: B006
+    concurrency: Annotated[str, typer.Option(help="Requests in flight, comma-separated.")] = "8,16,32,64,128",
+    pool: Annotated[str, typer.Option(help="KV pool sizes in blocks, comma-separated.")] = "128,256",
+    repeats: Annotated[int, typer.Option(help="Repeats of every cell (systems alternate).")] = 3,
+    output_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 512,
+    requests: Annotated[int, typer.Option(help="Requests per cell (at least its concurrency).")] = 32,
+    retention: Annotated[float, typer.Option(help="Retention of both compressing systems.")] = 0.2,
+    window: Annotated[int, typer.Option(help="Kara window W.")] = 128,
+    buffer: Annotated[int, typer.Option(help="Kara buffer b.")] = 32,
+    period: Annotated[int, typer.Option(help="Periodic policy period P (decode steps).")] = 16,
+    threshold_budget: Annotated[int, typer.Option(help="SnapKV-threshold: generated slots kept.")] = 192,
+    threshold_interval: Annotated[int, typer.Option(help="SnapKV-threshold: growth that triggers a round.")] = 64,
+    out: Annotated[Path, typer.Option(help="Output folder (reruns resume).")] = Path("bench-throughput"),
+) -> None:
+    """Output throughput vs concurrency under a small KV pool: vanilla vLLM vs KvLLM."""
+    from rich.progress import Progress
+
+    from kvllm.bench.report import write_report
+    from kvllm.bench.sweep import Sweep, run_sweep
+    from kvllm.bench.throughput import Workload
+
+    try:
+        compression = CompressionConfig(
+            window=window,
+            buffer=buffer,
+            period=period,
+            threshold_budget=threshold_budget,
+            threshold_interval=threshold_interval,
+        )
+        sweep = Sweep(
+            model=str(_bench_model(model, shape)),
+            out=out,
+            systems=tuple(system),
+            concurrency=tuple(_csv(concurrency, int)),
+            pools=tuple(_csv(pool, int)),
+            repeats=repeats,
+            workload=Workload(output_tokens=output_tokens, requests=requests),
+            retention=retention,
+            compression=compression,
+        )
+        specs = sweep.specs()
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    with Progress(console=console) as bar:
+        task = bar.add_task("bench", total=len(specs) * len(sweep.concurrency))
+
+        def progress(message: str) -> None:
+            bar.update(task, advance=1, description=message)
+
+        rows = run_sweep(sweep, progress)
+    summary = write_report(rows, out, title=f"{Path(sweep.model).name}, {output_tokens} output tokens/request")
+    table = Table(title="output tok/s (mean of repeats) and ratio to vanilla (within repeats)")
+    for col in ("pool", "concurrency", "system", "tok/s", "x vanilla", "preempt", "rounds", "compress %"):
+        table.add_column(col, justify="right")
+    for c in summary["cells"]:
+        ratio = "" if c["ratio_to_vanilla"] is None else f"{c['ratio_to_vanilla']:.2f}"
+        table.add_row(
+            str(c["pool_blocks"]),
+            str(c["concurrency"]),
+            c["system"],
+            f"{c['tok_s_mean']:.0f}",
+            ratio,
+            f"{c['preemptions']:.0f}",
+            f"{c['rounds']:.0f}",
+            f"{100 * c['compress_share']:.1f}",
+        )
+    console.print(table)
+    console.print(f"mean ratio to vanilla: {summary['mean_ratio_to_vanilla']}")
+    console.print(f"wrote {out}/results.csv, results.json, summary.json, throughput.png, pool_usage.png")
+
+
+def _bench_model(model: Path | None, shape: str | None) -> Path:
+    if model is not None and shape is not None:
+        raise ValueError("give --model or --shape, not both")
+    if shape is None:
+        return _load_path(model)
+    if shape not in SHAPES:
+        raise ValueError(f"--shape {shape!r} is invalid: must be one of {', '.join(SHAPES)}")
+    from kvllm.testing import save_tiny_model
+
+    path = Path.home() / ".cache" / "kvllm" / "models" / shape
+    if not (path / "config.json").exists():
+        save_tiny_model(path, **SHAPES[shape])
+    return path
 
 
 if __name__ == "__main__":

@@ -24,6 +24,17 @@ def test_generate_prints_text_and_stats(tiny: Path) -> None:
     assert "tokens/s" in result.output
 
 
+def test_generate_grades_held_out_tasks(tiny: Path) -> None:
+    args = ["generate", "--model", str(tiny), "--task", "trace", "--n-tasks", "2", "--steps", "3"]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "20", "--method", "none"])
+    assert result.exit_code == 0, result.output
+    # A random model answers nothing: both are graded, and wrong.
+    assert result.output.count("answer None (expected ") == 2
+    assert result.output.count(": wrong") == 2
+    missing = runner.invoke(app, ["generate", "--model", str(tiny)])
+    assert missing.exit_code != 0 and "give PROMPTS or --task" in missing.output
+
+
 def test_generate_rejects_bad_config(tiny: Path) -> None:
     result = runner.invoke(app, ["generate", "--model", str(tiny), "--retention", "0", "a prompt here"])
     assert result.exit_code != 0
