@@ -1,0 +1,14 @@
+"""Random-weight model shapes for ``kvllm bench throughput --shape``.
+
+Real shapes' widths and head layouts, with fewer layers so that this CPU runs a sweep
+in minutes: per-token attention and KV bytes per layer are the real ones.
+"""
+
+from __future__ import annotations
+
+SHAPES: dict[str, dict[str, int]] = {
+    # Qwen3-0.6B: hidden 1024, 16 query / 8 KV heads of 128; 28 layers -> 4.
+    "qwen3-0.6b-4l": {"hidden_size": 1024, "layers": 4, "heads": 16, "kv_heads": 8, "head_dim": 128},
+    # Qwen3-4B: hidden 2560, 32 query / 8 KV heads of 128; 36 layers -> 2.
+    "qwen3-4b-2l": {"hidden_size": 2560, "layers": 2, "heads": 32, "kv_heads": 8, "head_dim": 128},
+}

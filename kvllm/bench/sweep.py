@@ -1,0 +1,140 @@
+"""``kvllm bench throughput``: every system x pool x repeat, alternating, resumable.
+
+Systems alternate within a repeat, and their order rotates between repeats, so slow
+drift of a noisy machine spreads over all of them; ratios are taken within a repeat.
+Each (system, pool, repeat) process appends its cells to ``results.jsonl`` as they
+finish, and a rerun skips the groups already complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvllm.bench.throughput import SYSTEMS, Engine, Spec, Workload, system_compression
+from kvllm.config import CompressionConfig
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A whole benchmark run.
+
+    Attributes
+    ----------
+    retention
+        Kara's retention; SnapKV-threshold uses the same retention and a
+        ``threshold_budget`` from ``compression``.
+    pools
+        KV pool sizes in blocks; small enough that vanilla vLLM preempts or queues.
+    """
+
+    model: str
+    out: Path
+    systems: tuple[str, ...] = SYSTEMS
+    concurrency: tuple[int, ...] = (8, 16, 32, 64, 128)
+    pools: tuple[int, ...] = (128, 256)
+    repeats: int = 3
+    workload: Workload = field(default_factory=Workload)
+    retention: float = 0.2
+    compression: CompressionConfig = field(
+        default_factory=lambda: CompressionConfig(threshold_budget=192, threshold_interval=64)
+    )
+    block_size: int = 32
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or not self.systems:
+            raise ValueError(f"systems={list(self.systems)} is invalid: each must be one of {', '.join(SYSTEMS)}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats} is invalid: must be >= 1")
+        # Fails here, before any engine starts, on a bad retention or policy parameter.
+        self.compression.replace(retention=self.retention)
+
+    def specs(self) -> list[Spec]:
+        """Every process to run, in run order (systems rotate between repeats)."""
+        out = []
+        for repeat in range(self.repeats):
+            k = repeat % len(self.systems)
+            order = self.systems[k:] + self.systems[:k]
+            for pool in self.pools:
+                engine = Engine(pool_blocks=pool, block_size=self.block_size, max_num_seqs=max(self.concurrency))
+                for system in order:
+                    out.append(
+                        Spec(
+                            system=system,
+                            model=self.model,
+                            engine=engine,
+                            workload=self.workload,
+                            concurrency=self.concurrency,
+                            compression=system_compression(system, self.retention, self.compression),
+                            repeat=repeat,
+                        )
+                    )
+        return out
+
+
+def _done(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _run_spec(spec: Spec, on_row: Callable[[dict[str, Any]], None]) -> None:
+    env = dict(os.environ)
+    if spec.system == "vanilla":
+        env["VLLM_PLUGINS"] = "no-plugin"  # a name that matches nothing: vLLM without KvLLM
+    raw = asdict(spec)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvllm.bench.throughput", json.dumps(raw)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    for line in proc.stdout:
+        if line.startswith("KVLLM_BENCH "):
+            on_row(json.loads(line.removeprefix("KVLLM_BENCH ")))
+    err = proc.stderr.read()
+    if proc.wait() != 0:
+        raise RuntimeError(f"bench process for {spec.system} (pool {spec.engine.pool_blocks}) failed:\n{err[-4000:]}")
+
+
+def run_sweep(sweep: Sweep, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Run every missing cell; return all rows (old and new)."""
+    sweep.out.mkdir(parents=True, exist_ok=True)
+    path = sweep.out / "results.jsonl"
+    # Keyed by cell, so a rerun group's rows supersede those of its interrupted run.
+    rows = {_key(r): r for r in _done(path)}
+    with path.open("a") as f:
+
+        def on_row(row: dict[str, Any]) -> None:
+            rows[_key(row)] = row
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            if progress:
+                progress(
+                    f"{row['system']} pool {row['pool_blocks']} c={row['concurrency']} r{row['repeat']}: "
+                    f"{row['tok_s']:.0f} tok/s"
+                )
+
+        for spec in sweep.specs():
+            keys = {(spec.system, spec.engine.pool_blocks, spec.repeat, c) for c in spec.concurrency}
+            if keys <= rows.keys():
+                for _ in spec.concurrency:
+                    if progress:
+                        progress("(resumed)")
+                continue
+            # A partly finished process reruns whole: its engine's history would differ.
+            _run_spec(spec, on_row)
+    return list(rows.values())
+
+
+def _key(row: dict[str, Any]) -> tuple[str, int, int, int]:
+    return (row["system"], row["pool_blocks"], row["repeat"], row["concurrency"])
