@@ -52,25 +52,27 @@ def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
     return fast
 
 
-def _difficulty(rng: random.Random, progress: float, steps: int | None = None) -> Difficulty:
-    """Mixed lengths; the longest programs grow with training progress (a curriculum).
+def _difficulty(rng: random.Random, level: float, steps: int | None = None, top_steps: int = 48) -> Difficulty:
+    """Mixed lengths up to a curriculum ``level`` in [0, 1].
 
-    Short programs first (many lines per batch), so the copy circuits form before the
-    sequences get long; run 4 of ``docs/training-attempts.md`` only left its plateau late.
+    Level 0 is 2-3 constants and 1-3 steps: with few distractors the copy circuits form
+    in hundreds of steps, where with 6-16 constants they had not after 1,900
+    (``docs/training-attempts.md``).
     """
-    top = round(8 + (48 - 8) * min(1.0, max(0.0, progress - 0.15) / 0.35))
-    steps = steps if steps is not None else rng.randint(2, top)
-    return Difficulty(constants=rng.randint(6, 16), steps=steps, depth=rng.random())
+    top_constants = 3 + round(13 * level)
+    top = 3 + round((top_steps - 3) * level)
+    steps = steps if steps is not None else rng.randint(1, top)
+    return Difficulty(constants=rng.randint(2, top_constants), steps=steps, depth=rng.random())
 
 
-def _batch(tok: PreTrainedTokenizerFast, rng: random.Random, token_budget: int, progress: float):
+def _batch(tok: PreTrainedTokenizerFast, rng: random.Random, token_budget: int, level: float, top_steps: int):
     """Examples up to ``token_budget`` padded tokens; labels only on the target."""
     rows: list[tuple[list[int], int]] = []
     longest = 0
     # One program length per batch keeps padding (wasted compute) small.
-    steps = _difficulty(rng, progress).steps
+    steps = _difficulty(rng, level, top_steps=top_steps).steps
     while True:
-        task = make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), _difficulty(rng, progress, steps))
+        task = make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), _difficulty(rng, level, steps, top_steps))
         prompt = tok(task.prompt)["input_ids"]
         target = tok(task.target)["input_ids"] + [tok.eos_token_id]
         ids = prompt + target
@@ -97,11 +99,14 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=384)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100, help="optimizer steps of linear warm-up")
     p.add_argument("--decay", type=float, default=0.2, help="final share of the time the learning rate decays")
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-steps", type=int, default=48, help="longest program of the curriculum")
+    p.add_argument("--level-up", type=float, default=0.8, help="digit accuracy that raises the curriculum level")
+    p.add_argument("--qk-init", type=float, default=1.0, help="initial weight of Qwen3's q/k RMSNorms")
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
     args = p.parse_args()
     torch.manual_seed(args.seed)
@@ -126,6 +131,10 @@ def main() -> None:
     )
     model = Qwen3ForCausalLM(config)
     model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.fill_(args.qk_init)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f}M, vocab {len(tok)}, threads {torch.get_num_threads()}", flush=True)
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
@@ -139,6 +148,7 @@ def main() -> None:
     budget = args.minutes * 60
     start = time.perf_counter()
     step, tokens, log_loss, log_n, log_hit, log_digits = 0, 0, 0.0, 0, 0, 0
+    level, digit_ema = 0.0, 0.0
     last_log = start
     model.train()
     while (elapsed := time.perf_counter() - start) < budget:
@@ -150,7 +160,12 @@ def main() -> None:
         lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
         for group in opt.param_groups:
             group["lr"] = lr
-        input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, progress)
+        # Harder tasks once digits are mostly right, and by a time floor in any case.
+        floor = min(1.0, max(0.0, (progress - 0.2) / 0.5))
+        if digit_ema > args.level_up:
+            level = min(1.0, level + 0.01)
+        level = max(level, floor)
+        input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, level, args.top_steps)
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         loss = out.loss
         opt.zero_grad(set_to_none=True)
@@ -166,13 +181,15 @@ def main() -> None:
         with torch.no_grad():
             target = labels[:, 1:]
             digits = torch.isin(target, digit_ids)
-            log_hit += int(((out.logits[:, :-1].argmax(-1) == target) & digits).sum())
+            hit = int(((out.logits[:, :-1].argmax(-1) == target) & digits).sum())
+            log_hit += hit
             log_digits += int(digits.sum())
+            digit_ema = 0.95 * digit_ema + 0.05 * hit / max(1, int(digits.sum()))
         if time.perf_counter() - last_log > args.log_every:
             now = time.perf_counter() - start
             print(
                 f"{now / 60:5.1f} min step {step} loss {log_loss / log_n:.4f} "
-                f"digit acc {log_hit / max(1, log_digits):.3f} lr {lr:.2e} "
+                f"digit acc {log_hit / max(1, log_digits):.3f} level {level:.2f} lr {lr:.2e} "
                 f"{tokens / now:.0f} tok/s ({tokens / 1e6:.2f}M tokens)",
                 flush=True,
             )

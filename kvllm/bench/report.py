@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 from kvllm.bench.throughput import SYSTEMS
 
 BASELINE = "vanilla"
+NO_ROUNDS = ("vanilla", "plugin-off")
 SCALARS = (
     "system",
     "pool_blocks",
@@ -99,9 +100,29 @@ def write_report(rows: Sequence[dict[str, Any]], out: Path, title: str = "") -> 
     (out / "results.json").write_text(json.dumps(list(rows), indent=1) + "\n")
     summary = summarize(rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(markdown_table(summary))
     plot_throughput(summary, out / "throughput.png", title)
     plot_usage(rows, out / "pool_usage.png")
     return summary
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The summary as a Markdown table: a row per pool and concurrency, a column per system."""
+    systems = [s for s in SYSTEMS if any(c["system"] == s for c in summary["cells"])]
+    head = ["pool", "C", *systems, *(f"{s} / vanilla" for s in systems if s != BASELINE)]
+    head += [f"preempt. ({s})" for s in systems] + [f"rounds ({s})" for s in systems if s not in NO_ROUNDS]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    keys = sorted({(c["pool_blocks"], c["concurrency"]) for c in summary["cells"]})
+    for pool, conc in keys:
+        by = {c["system"]: c for c in summary["cells"] if (c["pool_blocks"], c["concurrency"]) == (pool, conc)}
+        row = [str(pool), str(conc)]
+        row += [f"{by[s]['tok_s_mean']:.0f} [{by[s]['tok_s_min']:.0f}-{by[s]['tok_s_max']:.0f}]" for s in systems]
+        ratios = [by[s]["ratio_to_vanilla"] for s in systems if s != BASELINE]
+        row += ["-" if r is None else f"{r:.2f}" for r in ratios]
+        row += [f"{by[s]['preemptions']:.0f}" for s in systems]
+        row += [f"{by[s]['rounds']:.0f}" for s in systems if s not in NO_ROUNDS]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Path:
@@ -119,8 +140,9 @@ def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Pat
             xs = [c["concurrency"] for c in mine]
             ys = [c["tok_s_mean"] for c in mine]
             err = [
-                [y - c["tok_s_min"] for y, c in zip(ys, mine, strict=True)],
-                [c["tok_s_max"] - y for y, c in zip(ys, mine, strict=True)],
+                # The mean is rounded: clamp so a single repeat draws no negative bar.
+                [max(0.0, y - c["tok_s_min"]) for y, c in zip(ys, mine, strict=True)],
+                [max(0.0, c["tok_s_max"] - y) for y, c in zip(ys, mine, strict=True)],
             ]
             style = {"linewidth": 2.5, "color": "black"} if system == "kara" else {"linewidth": 1.2}
             ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=3, label=system, **style)

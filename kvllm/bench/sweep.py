@@ -59,12 +59,12 @@ class Sweep:
     def specs(self) -> list[Spec]:
         """Every process to run, in run order (systems rotate between repeats)."""
         out = []
-        for repeat in range(self.repeats):
-            k = repeat % len(self.systems)
-            order = self.systems[k:] + self.systems[:k]
-            for pool in self.pools:
-                engine = Engine(pool_blocks=pool, block_size=self.block_size, max_num_seqs=max(self.concurrency))
-                for system in order:
+        # Pool by pool, so that an interrupted run leaves whole pools behind.
+        for pool in self.pools:
+            engine = Engine(pool_blocks=pool, block_size=self.block_size, max_num_seqs=max(self.concurrency))
+            for repeat in range(self.repeats):
+                k = repeat % len(self.systems)
+                for system in self.systems[k:] + self.systems[:k]:
                     out.append(
                         Spec(
                             system=system,

@@ -24,6 +24,8 @@ from typing import Any
 from kvllm.config import CompressionConfig
 
 SYSTEMS: tuple[str, ...] = ("vanilla", "plugin-off", "kara", "snapkv-threshold")
+# Room for the short prompts (about a hundred tokens with the test tokenizer).
+PROMPT_MARGIN = 256
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class Engine:
         if self.pool_blocks < 2:
             raise ValueError(f"Engine.pool_blocks={self.pool_blocks} is invalid: must be >= 2")
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest request the pool holds (vLLM keeps one block back as its null block)."""
+        return min((self.pool_blocks - 1) * self.block_size, 8192)
+
 
 @dataclass(frozen=True)
 class Spec:
@@ -80,6 +87,11 @@ class Spec:
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"system={self.system!r} is invalid: must be one of {', '.join(SYSTEMS)}")
+        if self.workload.output_tokens + PROMPT_MARGIN > self.engine.max_model_len:
+            raise ValueError(
+                f"output_tokens={self.workload.output_tokens} is invalid for a pool of {self.engine.pool_blocks} "
+                f"blocks: must be <= {self.engine.max_model_len - PROMPT_MARGIN} (one request must fit the pool)"
+            )
         bad = [c for c in self.concurrency if not 1 <= c <= self.engine.max_num_seqs]
         if bad or not self.concurrency:
             raise ValueError(
@@ -121,7 +133,8 @@ def _engine(spec: Spec) -> Any:
         block_size=e.block_size,
         max_num_seqs=e.max_num_seqs,
         num_gpu_blocks_override=e.pool_blocks,
-        max_model_len=min(e.pool_blocks * e.block_size, 4096),
+        # Enough for the workload: the pool may hold more than the model's positions.
+        max_model_len=min(e.max_model_len, spec.workload.output_tokens + PROMPT_MARGIN),
         enable_prefix_caching=False,
         enforce_eager=True,
         gpu_memory_utilization=0.3,

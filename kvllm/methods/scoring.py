@@ -8,9 +8,11 @@ from torch import Tensor
 
 from kvllm.methods.base import Window
 
-# Bound on one chunk's attention matrix (elements), so that a large batch of windows
-# is scored in pieces instead of materialising gigabytes at once.
-_MAX_CHUNK_ELEMENTS = 1 << 26
+# Bound on one chunk's attention matrix (elements). The passes over it (max, exp, sum,
+# the column-sum matvec) are memory-bound: a 2 MiB chunk stays in cache between passes,
+# which scored a 16-request round of the tiny model about 1.6x faster than one 26 MB
+# matrix (docs/throughput.md, "Profile of a Kara round").
+_MAX_CHUNK_ELEMENTS = 1 << 19
 
 
 def attention_scores(window: Window, *, causal: bool, last_queries: int | None = None) -> Tensor:
@@ -52,8 +54,8 @@ def attention_scores(window: Window, *, causal: bool, last_queries: int | None =
     step = max(1, _MAX_CHUNK_ELEMENTS // (g * nq * n))
     out = torch.empty(heads, n, dtype=torch.float32, device=k.device)
     for lo in range(0, heads, step):
-        logits = torch.bmm(qf[lo : lo + step].float(), kf[lo : lo + step].float().transpose(1, 2))
-        logits *= d**-0.5
+        # Scaling the queries, not the logits: g * nq * d elements instead of g * nq * n.
+        logits = torch.bmm(qf[lo : lo + step].float() * d**-0.5, kf[lo : lo + step].float().transpose(1, 2))
         if mask is not None:
             logits.view(-1, g, nq, n).masked_fill_(mask, float("-inf"))
         # Softmax without materialising the normalised matrix: with E = exp(logits - max)

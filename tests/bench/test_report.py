@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvllm.bench.report import summarize, write_report
+from kvllm.bench.report import markdown_table, summarize, write_report
 
 
 def _row(system: str, repeat: int, c: int, tok_s: float) -> dict:
@@ -34,9 +34,18 @@ def test_ratios_are_taken_within_a_repeat() -> None:
 
 
 def test_report_files(tmp_path: Path) -> None:
-    rows = [_row(s, 0, c, t) for s, t in (("vanilla", 100.0), ("kara", 130.0)) for c in (8, 16)]
+    # Odd values: the rounded mean of one repeat may sit just below or above it.
+    rows = [_row(s, 0, c, t) for s, t in (("vanilla", 100.04), ("kara", 130.06)) for c in (8, 16)]
     write_report(rows, tmp_path)
-    for name in ("results.csv", "results.json", "summary.json", "throughput.png", "pool_usage.png"):
+    for name in ("results.csv", "results.json", "summary.json", "summary.md", "throughput.png", "pool_usage.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     header = (tmp_path / "results.csv").read_text().splitlines()[0]
     assert "tok_s" in header.split(",") and "usage" not in header.split(",")
+
+
+def test_markdown_table_has_a_row_per_cell() -> None:
+    rows = [_row(s, 0, c, t * c) for s, t in (("vanilla", 100.0), ("kara", 150.0)) for c in (8, 16)]
+    table = markdown_table(summarize(rows)).splitlines()
+    assert table[0].startswith("| pool | C | vanilla | kara | kara / vanilla |")
+    assert table[2] == "| 64 | 8 | 800 [800-800] | 1200 [1200-1200] | 1.50 | 0 | 0 | 0 |"
+    assert len(table) == 4

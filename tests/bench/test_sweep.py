@@ -28,6 +28,7 @@ def test_systems_alternate_and_rotate_between_repeats(tmp_path: Path) -> None:
         ({"repeats": 0}, "repeats=0"),
         ({"retention": 1.5}, "retention"),
         ({"concurrency": (0,)}, "concurrency="),
+        ({"pools": (8,)}, "output_tokens=512 is invalid for a pool of 8 blocks"),
     ],
 )
 def test_bad_sweeps_fail_before_any_engine(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:

@@ -15,7 +15,7 @@ def test_bench_throughput_writes_a_sane_report(tmp_path: Path) -> None:
     model = save_tiny_model(tmp_path / "model", seed=1, hidden_size=128, layers=2, heads=4, kv_heads=2, head_dim=32)
     out = tmp_path / "bench"
     args = ["bench", "throughput", "--model", str(model), "--system", "vanilla", "--system", "kara"]
-    args += ["--concurrency", "4", "--pool", "24", "--repeats", "1", "--output-tokens", "96", "--requests", "4"]
+    args += ["--concurrency", "4", "--pool", "16", "--repeats", "1", "--output-tokens", "96", "--requests", "4"]
     args += ["--window", "32", "--buffer", "8", "--period", "4", "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -30,7 +30,7 @@ def test_bench_throughput_writes_a_sane_report(tmp_path: Path) -> None:
     assert by["vanilla"]["rounds"] == 0 and by["vanilla"]["compress_seconds"] == 0
     assert by["kara"]["rounds"] > 0 and by["kara"]["compress_seconds"] > 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["mean_ratio_to_vanilla"]["kara"]["24"] > 0
+    assert summary["mean_ratio_to_vanilla"]["kara"]["16"] > 0
     for name in ("results.csv", "throughput.png", "pool_usage.png"):
         assert (out / name).stat().st_size > 0
     # Rerunning resumes: every cell is already there, no engine starts.
