@@ -1,0 +1,32 @@
+"""cProfile one `kvllm bench throughput` process in-process, and print where KvLLM's time goes.
+
+Usage: python tools/profile_bench_cell.py SPEC_JSON OUT.prof
+
+SPEC_JSON is a file holding one process's spec, as `kvllm.bench.sweep` passes it to
+`python -m kvllm.bench.throughput` (system, model, engine, workload, concurrency,
+compression, repeat). docs/throughput.md used a `kara` spec at pool 256, C=16, 16 x 512.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import pstats
+import sys
+
+from kvllm.bench.throughput import Engine, Spec, Workload, run
+
+if __name__ == "__main__":
+    raw = json.loads(open(sys.argv[1]).read())
+    raw["engine"] = Engine(**raw["engine"])
+    raw["workload"] = Workload(**raw["workload"])
+    raw["concurrency"] = tuple(raw["concurrency"])
+    profile = cProfile.Profile()
+    profile.enable()
+    run(Spec(**raw))
+    profile.disable()
+    profile.dump_stats(sys.argv[2])
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(r"kvllm|execute_model|schedule", 45)
+    print(text.getvalue())
