@@ -15,16 +15,13 @@ import json
 import pstats
 import sys
 
-from kvllm.bench.throughput import Engine, Spec, Workload, run
+from kvllm.bench.throughput import Spec, run
 
 if __name__ == "__main__":
-    raw = json.loads(open(sys.argv[1]).read())
-    raw["engine"] = Engine(**raw["engine"])
-    raw["workload"] = Workload(**raw["workload"])
-    raw["concurrency"] = tuple(raw["concurrency"])
+    spec = Spec.from_dict(json.loads(open(sys.argv[1]).read()))
     profile = cProfile.Profile()
     profile.enable()
-    run(Spec(**raw))
+    run(spec)
     profile.disable()
     profile.dump_stats(sys.argv[2])
     text = io.StringIO()

@@ -15,10 +15,9 @@ import matplotlib
 matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt
 
-from kvllm.bench.throughput import SYSTEMS
+from kvllm.bench.throughput import SYSTEMS, UNCOMPRESSED
 
 BASELINE = "vanilla"
-NO_ROUNDS = ("vanilla", "plugin-off")
 SCALARS = (
     "system",
     "pool_blocks",
@@ -110,7 +109,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     """The summary as a Markdown table: a row per pool and concurrency, a column per system."""
     systems = [s for s in SYSTEMS if any(c["system"] == s for c in summary["cells"])]
     head = ["pool", "C", *systems, *(f"{s} / vanilla" for s in systems if s != BASELINE)]
-    head += [f"preempt. ({s})" for s in systems] + [f"rounds ({s})" for s in systems if s not in NO_ROUNDS]
+    head += [f"preempt. ({s})" for s in systems] + [f"rounds ({s})" for s in systems if s not in UNCOMPRESSED]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     keys = sorted({(c["pool_blocks"], c["concurrency"]) for c in summary["cells"]})
     for pool, conc in keys:
@@ -120,7 +119,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
         ratios = [by[s]["ratio_to_vanilla"] for s in systems if s != BASELINE]
         row += ["-" if r is None else f"{r:.2f}" for r in ratios]
         row += [f"{by[s]['preemptions']:.0f}" for s in systems]
-        row += [f"{by[s]['rounds']:.0f}" for s in systems if s not in NO_ROUNDS]
+        row += [f"{by[s]['rounds']:.0f}" for s in systems if s not in UNCOMPRESSED]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

@@ -24,6 +24,7 @@ from typing import Any
 from kvllm.config import CompressionConfig
 
 SYSTEMS: tuple[str, ...] = ("vanilla", "plugin-off", "kara", "snapkv-threshold")
+UNCOMPRESSED: tuple[str, ...] = ("vanilla", "plugin-off")
 # Room for the short prompts (about a hundred tokens with the test tokenizer).
 PROMPT_MARGIN = 256
 
@@ -99,10 +100,20 @@ class Spec:
             )
 
     def config(self) -> CompressionConfig | None:
-        """The system's compression (None for vanilla and plugin-off)."""
-        if self.system in ("vanilla", "plugin-off"):
-            return None
-        return CompressionConfig(**self.compression)
+        """The system's compression (None for the systems in :data:`UNCOMPRESSED`)."""
+        return CompressionConfig(**self.compression) if self.compression else None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Spec:
+        """The spec of ``dataclasses.asdict(spec)``, as it crosses to the bench process."""
+        return cls(
+            **{
+                **raw,
+                "engine": Engine(**raw["engine"]),
+                "workload": Workload(**raw["workload"]),
+                "concurrency": tuple(raw["concurrency"]),
+            }
+        )
 
 
 def system_compression(system: str, retention: float, base: CompressionConfig) -> dict[str, Any]:
@@ -251,11 +262,7 @@ def run(spec: Spec) -> None:
 
 
 def main() -> None:
-    raw = json.loads(sys.argv[1])
-    raw["engine"] = Engine(**raw["engine"])
-    raw["workload"] = Workload(**raw["workload"])
-    raw["concurrency"] = tuple(raw["concurrency"])
-    run(Spec(**raw))
+    run(Spec.from_dict(json.loads(sys.argv[1])))
 
 
 if __name__ == "__main__":

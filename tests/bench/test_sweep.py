@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ def test_systems_alternate_and_rotate_between_repeats(tmp_path: Path) -> None:
     snap = Sweep(model="m", out=tmp_path, systems=("snapkv-threshold",)).specs()[0].config()
     assert snap.method == "snapkv" and snap.policy == "threshold"
     assert next(spec for spec in s.specs() if spec.system == "vanilla").config() is None
+    # What crosses to the bench process comes back as the same spec.
+    assert all(Spec.from_dict(json.loads(json.dumps(asdict(spec)))) == spec for spec in s.specs())
 
 
 @pytest.mark.parametrize(

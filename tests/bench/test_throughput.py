@@ -43,3 +43,11 @@ def test_bench_throughput_rejects_a_bad_grid(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["bench", "throughput", "--model", str(tmp_path), "--repeats", "0"])
     assert result.exit_code != 0
     assert "repeats=0" in result.output
+
+
+def test_bench_throughput_rejects_a_bad_shape(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["bench", "throughput", "--shape", "qwen9-huge", "--out", str(tmp_path)])
+    assert result.exit_code != 0
+    assert "--shape 'qwen9-huge' is invalid: must be one of tiny-qwen3" in result.output
+    both = CliRunner().invoke(app, ["bench", "throughput", "--shape", "tiny-qwen3", "--model", str(tmp_path)])
+    assert both.exit_code != 0 and "give --model or --shape, not both" in both.output
