@@ -21,7 +21,7 @@ def test_reference_completion_is_right_and_wrong_answers_are_not(family: str) ->
     assert task.prompt.endswith(THINK)
     assert grade(task, task.target)
     wrong = f"{(int(task.answer) + 1) % 100:02d}"
-    assert not grade(task, task.target.rsplit("=", 1)[0] + f"= {wrong}")
+    assert not grade(task, task.target.rsplit(" ", 1)[0] + f" {wrong}")
     assert not grade(task, task.target.replace(END_THINK, ""))  # no final answer section
     assert not grade(task, "")
 
@@ -30,15 +30,17 @@ def test_trace_lines_are_correct_arithmetic() -> None:
     task = make_task("trace", 11, Difficulty(constants=5, steps=30))
     values = {}
     for line in task.prompt.splitlines()[1:]:
-        m = re.fullmatch(r" (\w+) = (\d+)", line)
+        m = re.fullmatch(r" (\w+) (\d+)", line)
         if m:
             values[m[1]] = int(m[2])
     cot = task.target.split(END_THINK)[0].strip().splitlines()
     assert len(cot) == 30
     for line in cot:
-        m = re.fullmatch(r"(\w+) = (\w+) ([+-]) (\w+) = (\d+) [+-] (\d+) = (\d+)", line.strip())
+        m = re.fullmatch(r"(\w+) = (\w+) ([+-]) (\w+) = (\w+) (\d+) [+-] (\w+) (\d+) = (\w+) (\d+)", line.strip())
         assert m, line
-        name, x, op, y, vx, vy, result = m.groups()
+        name, x, op, y, x2, vx, y2, vy, name2, result = m.groups()
+        # Every value is written right after its name.
+        assert (x2, y2, name2) == (x, y, name)
         assert int(vx) == values[x]
         assert int(vy) == values[y]
         expected = (int(vx) + int(vy)) % 100 if op == "+" else (int(vx) - int(vy)) % 100
@@ -63,17 +65,19 @@ def test_format_is_regular(family: str) -> None:
 def test_needles() -> None:
     gen = make_task("gen-needle", 4)
     assert gen.target.lstrip().startswith("key = ")
-    assert gen.target.endswith(f"key = {gen.answer}")
+    assert gen.target.endswith(f"key {gen.answer}")
     for depth, where in ((0.0, 1), (1.0, -1)):
         task = make_task("prompt-needle", 4, Difficulty(depth=depth))
         lines = task.prompt.splitlines()[:-1]
-        assert lines[where].strip() == f"code = {task.answer}"
+        assert lines[where].strip() == f"code {task.answer}"
 
 
 def test_extract_answer() -> None:
+    assert extract_answer(f"a\n{END_THINK}\n ce 54") == "54"
     assert extract_answer(f"a\n{END_THINK}\n ce = 54") == "54"
     assert extract_answer(f"{END_THINK} x = 1 {END_THINK} y = 2") == "2"
-    assert extract_answer("ce = 54") is None
+    assert extract_answer("ce 54") is None
+    assert extract_answer(f"{END_THINK} ce") is None
 
 
 def test_bad_difficulty() -> None:
