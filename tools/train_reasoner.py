@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from kvllm.eval.tasks import END_THINK, FAMILIES, THINK, TRAIN_SEEDS, Difficulty, make_task
+from kvllm.eval.tasks import END_THINK, FAMILIES, NAMES, THINK, TRAIN_SEEDS, Difficulty, make_task
 
 # A chat turn is a task prompt without its thinking marker; the template adds it back.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK
@@ -34,8 +34,13 @@ def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
     rng = random.Random(seed)
     corpus = [make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), _difficulty(rng, 1.0)).text for _ in range(1500)]
     tok = Tokenizer(models.BPE())
+    # Each digit is a token, with the space before it if any (" 4", "1"): the name right
+    # before a value is then the token right before its first digit.
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        [
+            pre_tokenizers.Split(Regex(r" ?\d"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -65,29 +70,75 @@ def _difficulty(rng: random.Random, level: float, steps: int | None = None, top_
     return Difficulty(constants=rng.randint(2, top_constants), steps=steps, depth=rng.random())
 
 
-def _batch(tok: PreTrainedTokenizerFast, rng: random.Random, token_budget: int, level: float, top_steps: int):
-    """Examples up to ``token_budget`` padded tokens; labels only on the target."""
-    rows: list[tuple[list[int], int]] = []
+def _recall(rng: random.Random, pairs: int) -> tuple[str, str]:
+    """A training-only associative-recall example in the tasks' value format (``bo 41``).
+
+    The prompt lists ``pairs`` values; the chain of thought writes every one back, in
+    random order. Reading a value back is the lookup that every task needs (find the
+    name, copy what follows); on the tasks alone it had not formed after 1,000 steps,
+    while pure recall forms it in about 300 (``docs/training-attempts.md``). The queried
+    names are random, so :func:`_batch` puts no loss on them: a loss there slowed the
+    lookup's forming by half.
+    """
+    names = rng.sample(NAMES, pairs)
+    records = [f"{name} {rng.randrange(100):02d}" for name in names]
+    queries = rng.sample(records, pairs)
+    lines = ["recall: report every value.", *records, THINK, *queries, END_THINK, queries[-1]]
+    text = "\n ".join(lines)
+    split = text.index(THINK) + len(THINK)
+    return text[:split], text[split:]
+
+
+def _batch(
+    tok: PreTrainedTokenizerFast,
+    rng: random.Random,
+    token_budget: int,
+    level: float,
+    top_steps: int,
+    recall: float,
+    name_ids: torch.Tensor,
+):
+    """Examples up to ``token_budget`` padded tokens; labels only on the target.
+
+    A ``recall`` share of the examples are :func:`_recall` ones as long as the tasks.
+    """
+    rows: list[tuple[list[int], int, bool]] = []
     longest = 0
     # One program length per batch keeps padding (wasted compute) small.
     steps = _difficulty(rng, level, top_steps=top_steps).steps
     while True:
-        task = make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), _difficulty(rng, level, steps, top_steps))
-        prompt = tok(task.prompt)["input_ids"]
-        target = tok(task.target)["input_ids"] + [tok.eos_token_id]
+        d = _difficulty(rng, level, steps, top_steps)
+        is_recall = rng.random() < recall
+        if is_recall:
+            text, answer = _recall(rng, min(len(NAMES), d.constants + d.steps))
+        else:
+            task = make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), d)
+            text, answer = task.prompt, task.target
+        prompt = tok(text)["input_ids"]
+        target = tok(answer)["input_ids"] + [tok.eos_token_id]
         ids = prompt + target
         if rows and max(longest, len(ids)) * (len(rows) + 1) > token_budget:
             break
-        rows.append((ids, len(prompt)))
+        rows.append((ids, len(prompt), is_recall))
         longest = max(longest, len(ids))
     input_ids = torch.full((len(rows), longest), tok.pad_token_id)
     labels = torch.full((len(rows), longest), -100)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, (ids, n_prompt) in enumerate(rows):
+    for i, (ids, n_prompt, is_recall) in enumerate(rows):
+        target = torch.tensor(ids[n_prompt:])
+        if is_recall:
+            target[torch.isin(target, name_ids)] = -100
         input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        labels[i, n_prompt : len(ids)] = target
         mask[i, : len(ids)] = 1
     return input_ids, labels, mask
+
+
+def _save(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, out: Path) -> None:
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
 
 
 def main() -> None:
@@ -98,16 +149,22 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=384)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--vocab", type=int, default=512, help="BPE vocabulary cap (the corpus saturates near 420)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=100, help="optimizer steps of linear warm-up")
     p.add_argument("--decay", type=float, default=0.2, help="final share of the time the learning rate decays")
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-steps", type=int, default=48, help="longest program of the curriculum")
     p.add_argument("--level-up", type=float, default=0.8, help="digit accuracy that raises the curriculum level")
+    p.add_argument("--recall", type=float, default=0.2, help="share of training-only recall examples")
+    p.add_argument(
+        "--recall-warmup", type=float, default=10.0, help="most minutes of recall-only examples, first (4 records each)"
+    )
     p.add_argument("--qk-init", type=float, default=1.0, help="initial weight of Qwen3's q/k RMSNorms")
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
+    p.add_argument("--save-every", type=float, default=0.0, help="minutes between snapshots (0: at the end)")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
@@ -140,16 +197,17 @@ def main() -> None:
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=args.lr,
         betas=(0.9, 0.98),
     )
-    digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
+    digit_ids = torch.tensor(tok.convert_tokens_to_ids([p + d for p in ("", "Ġ") for d in "0123456789"]))
+    name_ids = torch.tensor(tok.convert_tokens_to_ids(["Ġ" + name for name in NAMES]))
     budget = args.minutes * 60
     start = time.perf_counter()
     step, tokens, log_loss, log_n, log_hit, log_digits = 0, 0, 0.0, 0, 0, 0
-    level, digit_ema = 0.0, 0.0
-    last_log = start
+    level, digit_ema, warming = 0.0, 0.0, True
+    last_log = last_save = start
     model.train()
     while (elapsed := time.perf_counter() - start) < budget:
         progress = elapsed / budget
@@ -160,12 +218,19 @@ def main() -> None:
         lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
         for group in opt.param_groups:
             group["lr"] = lr
+        # Recall only until the lookup has formed (digits mostly right), then the tasks.
+        if warming and (elapsed > 60 * args.recall_warmup or digit_ema > args.level_up):
+            warming, digit_ema = False, 0.0
+            print(f"{elapsed / 60:5.1f} min step {step}: recall warm-up done, tasks from now on", flush=True)
         # Harder tasks once digits are mostly right, and by a time floor in any case.
         floor = min(1.0, max(0.0, (progress - 0.2) / 0.5))
-        if digit_ema > args.level_up:
+        if digit_ema > args.level_up and not warming:
             level = min(1.0, level + 0.01)
         level = max(level, floor)
-        input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, level, args.top_steps)
+        if warming:
+            input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, 0.0, 1, 1.0, name_ids)
+        else:
+            input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, level, args.top_steps, args.recall, name_ids)
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         loss = out.loss
         opt.zero_grad(set_to_none=True)
@@ -194,12 +259,13 @@ def main() -> None:
                 flush=True,
             )
             log_loss, log_n, log_hit, log_digits, last_log = 0.0, 0, 0, 0, time.perf_counter()
+        if args.save_every and time.perf_counter() - last_save > 60 * args.save_every:
+            _save(model, tok, args.out)
+            model.train()
+            last_save = time.perf_counter()
 
     wall = time.perf_counter() - start
-    model.eval()
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out)
-    tok.save_pretrained(args.out)
+    _save(model, tok, args.out)
     summary = {
         "params": n_params,
         "steps": step,

@@ -33,11 +33,14 @@ compression of generated tokens measurably matters.
   {config["hidden_size"]}, {config["num_attention_heads"]} query heads / {config["num_key_value_heads"]} KV heads
   (GQA), head dim {config["head_dim"]}, tied embeddings, {train["params"] / 1e6:.2f}M parameters.
 - Tokenizer: byte-level BPE ({config["vocab_size"]} tokens) trained with `tokenizers` on task
-  text; every digit is its own token; `<think>`/`</think>` are plain tokens.
+  text; every digit is its own token (the first of a value with its leading space);
+  `<think>`/`</think>` are plain tokens.
 - Data: the three `kvllm.eval.tasks` families (trace, gen-needle, prompt-needle) mixed evenly,
-  training seeds only (>= 1,000,000; held-out evaluation uses seeds < 1,000,000), programs of
-  6-16 constants and 4-48 steps (the longest length grows with training, a curriculum), loss on
-  the chain of thought and answer only.
+  training seeds only (>= 1,000,000; held-out evaluation uses seeds < 1,000,000), plus a
+  share of training-only associative-recall examples (`name VV` records written back in
+  random order), which alone fill the first minutes. Programs grow with training (a
+  curriculum): from 2-3 constants and 1-3 steps up to 2-16 constants and 1-48 steps.
+  Loss on the chain of thought and answer only.
 - Training: {train["steps"]} AdamW steps, {train["train_tokens"] / 1e6:.2f}M tokens in
   {train["train_seconds"] / 60:.1f} minutes on 2 CPU cores in fp32 ({train["tokens_per_second"]:.0f} tokens/s).
   fp32 because this machine's CPU (AVX2, no AMX/AVX-512) emulates bf16 matmul ~60x slower.
