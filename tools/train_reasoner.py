@@ -73,16 +73,17 @@ def _difficulty(rng: random.Random, level: float, steps: int | None = None, top_
 def _recall(rng: random.Random, pairs: int) -> tuple[str, str]:
     """A training-only associative-recall example in the tasks' value format (``bo 41``).
 
-    The prompt lists ``pairs`` values; the chain of thought writes every one back, in
-    random order. Reading a value back is the lookup that every task needs (find the
-    name, copy what follows); on the tasks alone it had not formed after 1,000 steps,
-    while pure recall forms it in about 300 (``docs/training-attempts.md``). The queried
-    names are random, so :func:`_batch` puts no loss on them: a loss there slowed the
-    lookup's forming by half.
+    The prompt lists ``pairs`` values; the chain of thought writes ``pairs`` of them back,
+    drawn with replacement. Reading a value back is the lookup that every task needs
+    (find the name, copy what follows). Queries without replacement let a model skip
+    the lookup and copy a value not yet written back, which is right half the time with
+    4 records; probes sat on that shortcut for 600+ steps and formed the lookup within
+    300 once it was gone (``docs/training-attempts.md``). The queried names are random,
+    so :func:`_batch` puts no loss on them: a loss there slowed the lookup's forming.
     """
     names = rng.sample(NAMES, pairs)
     records = [f"{name} {rng.randrange(100):02d}" for name in names]
-    queries = rng.sample(records, pairs)
+    queries = [rng.choice(records) for _ in records]
     lines = ["recall: report every value.", *records, THINK, *queries, END_THINK, queries[-1]]
     text = "\n ".join(lines)
     split = text.index(THINK) + len(THINK)
