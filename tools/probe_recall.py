@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_reasoner import _recall, build_tokenizer
+from train_reasoner import SHAPE, _recall, build_tokenizer, model_config, name_token_ids
 
 from kvllm.eval.tasks import NAMES
 
@@ -69,7 +69,7 @@ class TrainerText:
     def __init__(self) -> None:
         self.tok = build_tokenizer(512, 0)
         self.vocab_size = len(self.tok)
-        self.names = set(self.tok.convert_tokens_to_ids(["Ġ" + n for n in NAMES]))
+        self.names = set(name_token_ids(self.tok).tolist())
         self.first = set(self.tok.convert_tokens_to_ids(["Ġ" + d for d in "0123456789"]))
         self.second = set(self.tok.convert_tokens_to_ids(list("0123456789")))
 
@@ -100,18 +100,7 @@ def main() -> None:
         if args.text == "trainer"
         else ProbeText(args.split_digits, args.extra_vocab, not args.no_replacement)
     )
-    config = Qwen3Config(
-        vocab_size=text.vocab_size,
-        hidden_size=192,
-        intermediate_size=768,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(model_config(text.vocab_size, **SHAPE))
     model.config._attn_implementation = "sdpa"
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     start = last = time.perf_counter()

@@ -25,6 +25,8 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from kvllm.eval.tasks import END_THINK, FAMILIES, NAMES, THINK, TRAIN_SEEDS, Difficulty, make_task
 
+# The shipped model's shape; tools/probe_recall.py trains the same one.
+SHAPE = {"hidden": 192, "layers": 4, "heads": 6, "kv_heads": 2}
 # A chat turn is a task prompt without its thinking marker; the template adds it back.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK
 
@@ -55,6 +57,28 @@ def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def model_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, **ids: int) -> Qwen3Config:
+    """Qwen3 with GQA, tied embeddings and a 4x MLP; ``ids`` are the special token ids."""
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=8192,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        **ids,
+    )
+
+
+def name_token_ids(tok: PreTrainedTokenizerFast) -> torch.Tensor:
+    """The variable names' tokens, as they appear in text (after a space)."""
+    return torch.tensor(tok.convert_tokens_to_ids(["Ġ" + name for name in NAMES]))
 
 
 def _difficulty(rng: random.Random, level: float, steps: int | None = None, top_steps: int = 48) -> Difficulty:
@@ -146,10 +170,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--minutes", type=float, default=40.0)
-    p.add_argument("--hidden", type=int, default=192)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=SHAPE["hidden"])
+    p.add_argument("--layers", type=int, default=SHAPE["layers"])
+    p.add_argument("--heads", type=int, default=SHAPE["heads"])
+    p.add_argument("--kv-heads", type=int, default=SHAPE["kv_heads"])
     p.add_argument("--vocab", type=int, default=512, help="BPE vocabulary cap (the corpus saturates near 420)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.05)
@@ -161,7 +185,7 @@ def main() -> None:
     p.add_argument("--level-up", type=float, default=0.8, help="digit accuracy that raises the curriculum level")
     p.add_argument("--recall", type=float, default=0.2, help="share of training-only recall examples")
     p.add_argument(
-        "--recall-warmup", type=float, default=10.0, help="most minutes of recall-only examples, first (4 records each)"
+        "--recall-warmup", type=float, default=10.0, help="most minutes of recall-only examples first (3-4 records)"
     )
     p.add_argument("--qk-init", type=float, default=1.0, help="initial weight of Qwen3's q/k RMSNorms")
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
@@ -171,18 +195,12 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     tok = build_tokenizer(args.vocab, args.seed)
-    head_dim = args.hidden // args.heads
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
+    config = model_config(
+        len(tok),
+        args.hidden,
+        args.layers,
+        args.heads,
+        args.kv_heads,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id,
@@ -203,7 +221,7 @@ def main() -> None:
         betas=(0.9, 0.98),
     )
     digit_ids = torch.tensor(tok.convert_tokens_to_ids([p + d for p in ("", "Ġ") for d in "0123456789"]))
-    name_ids = torch.tensor(tok.convert_tokens_to_ids(["Ġ" + name for name in NAMES]))
+    name_ids = name_token_ids(tok)
     budget = args.minutes * 60
     start = time.perf_counter()
     step, tokens, log_loss, log_n, log_hit, log_digits = 0, 0, 0.0, 0, 0, 0
@@ -229,7 +247,10 @@ def main() -> None:
             level = min(1.0, level + 0.01)
         level = max(level, floor)
         if warming:
-            input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, 0.0, 1, 1.0, name_ids)
+            # Level 0, one-step programs: recall examples of 3-4 records.
+            input_ids, labels, mask = _batch(
+                tok, rng, args.batch_tokens, level=0.0, top_steps=1, recall=1.0, name_ids=name_ids
+            )
         else:
             input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, level, args.top_steps, args.recall, name_ids)
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)

@@ -37,8 +37,8 @@ compression of generated tokens measurably matters.
   `<think>`/`</think>` are plain tokens.
 - Data: the three `kvllm.eval.tasks` families (trace, gen-needle, prompt-needle) mixed evenly,
   training seeds only (>= 1,000,000; held-out evaluation uses seeds < 1,000,000), plus a
-  share of training-only associative-recall examples (`name VV` records written back in
-  random order), which alone fill the first minutes. Programs grow with training (a
+  share of training-only associative-recall examples (`name VV` records, then names drawn
+  with replacement and their values), which alone fill the first minutes. Programs grow with training (a
   curriculum): from 2-3 constants and 1-3 steps up to 2-16 constants and 1-48 steps.
   Loss on the chain of thought and answer only.
 - Training: {train["steps"]} AdamW steps, {train["train_tokens"] / 1e6:.2f}M tokens in
