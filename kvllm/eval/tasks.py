@@ -5,24 +5,24 @@ is a pure function of its family, its seed and its difficulty knobs, so train an
 sets are disjoint by seed (:data:`TEST_SEEDS` vs :data:`TRAIN_SEEDS`). Families:
 
 ``trace``
-    The prompt is a program of constants (``bo 41``) and assignments (``ce = bo + ku``;
+    The prompt is a program of constants (``bo41``) and assignments (``ce = bo + ku``;
     values 00-99, ``+`` and ``-`` mod 100, each statement reading two earlier variables,
     possibly the same one, chosen uniformly among all earlier ones, so reads reach back
     hundreds of tokens). The chain of thought evaluates it line by line,
-    ``ce = bo + ku = bo 41 + ku 13 = ce 54``; the answer is the last variable's value.
+    ``ce = bo + ku = bo41 + ku13 = ce54``; the answer is the last variable's value.
 ``gen-needle``
-    The first line of the chain of thought derives a fact, ``key = 37 + 48 = key 85``;
+    The first line of the chain of thought derives a fact, ``key = 37 + 48 = key85``;
     then comes a long trace that never reads it; the answer recalls ``key``.
 ``prompt-needle``
-    A line ``code 85`` sits in the prompt at a chosen depth among the program's
+    A line ``code85`` sits in the prompt at a chosen depth among the program's
     lines; after the long trace, the answer recalls ``code`` from the prompt.
 
 The format is regular on purpose, so that a model of a few million parameters trained
 for minutes on a CPU can learn it (``docs/training-attempts.md``): variables are named
 in the order of :data:`NAMES` from a random start (the next statement's name follows
 from the previous one), every value has two digits, and every chain-of-thought line
-has the same number of tokens. Every value is written right after its variable's name
-(``bo 41``), wherever it is written, so that reading a value back is one lookup: find
+has the same number of tokens. Every value is written right after its variable's name,
+with no space (``bo41``), wherever it is written, so that reading a value back is one lookup: find
 the name, copy what follows (an induction head), not "find the line that defines it and
 skip to its end". What is left to learn is what compression can break: copying each
 statement from the prompt and each operand's value from where it was written, hundreds
@@ -92,7 +92,7 @@ def _program(rng: random.Random, d: Difficulty) -> tuple[list[str], list[str], s
     prompt, cot = [], []
     for name in names[: d.constants]:
         values[name] = rng.randrange(100)
-        prompt.append(f"{name} {values[name]:02d}")
+        prompt.append(f"{name}{values[name]:02d}")
     for name in names[d.constants :]:
         defined = list(values)
         op = rng.choice("+-")
@@ -100,7 +100,7 @@ def _program(rng: random.Random, d: Difficulty) -> tuple[list[str], list[str], s
         vx, vy = values[x], values[y]
         values[name] = (vx + vy) % 100 if op == "+" else (vx - vy) % 100
         prompt.append(f"{name} = {x} {op} {y}")
-        cot.append(f"{name} = {x} {op} {y} = {x} {vx:02d} {op} {y} {vy:02d} = {name} {values[name]:02d}")
+        cot.append(f"{name} = {x} {op} {y} = {x}{vx:02d} {op} {y}{vy:02d} = {name}{values[name]:02d}")
     return prompt, cot, names[-1], values
 
 
@@ -116,12 +116,12 @@ def make_task(family: str, seed: int, difficulty: Difficulty | None = None) -> T
         a, b = rng.randrange(100), rng.randrange(100)
         ask, answer = "key", (a + b) % 100
         prompt.insert(0, f"key = {a:02d} + {b:02d}")
-        cot.insert(0, f"key = {a:02d} + {b:02d} = key {answer:02d}")
+        cot.insert(0, f"key = {a:02d} + {b:02d} = key{answer:02d}")
     elif family == "prompt-needle":
         ask, answer = "code", rng.randrange(100)
-        prompt.insert(round(d.depth * len(prompt)), f"code {answer:02d}")
+        prompt.insert(round(d.depth * len(prompt)), f"code{answer:02d}")
     # Every line starts with a space, so a name is the same token wherever it appears.
-    lines = [f"{family}: evaluate and report {ask}.", *prompt, THINK, *cot, END_THINK, f"{ask} {answer:02d}"]
+    lines = [f"{family}: evaluate and report {ask}.", *prompt, THINK, *cot, END_THINK, f"{ask}{answer:02d}"]
     text = "\n ".join(lines)
     split = text.index(THINK) + len(THINK)
     return Task(family=family, seed=seed, prompt=text[:split], target=text[split:], answer=f"{answer:02d}")

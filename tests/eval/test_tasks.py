@@ -21,7 +21,7 @@ def test_reference_completion_is_right_and_wrong_answers_are_not(family: str) ->
     assert task.prompt.endswith(THINK)
     assert grade(task, task.target)
     wrong = f"{(int(task.answer) + 1) % 100:02d}"
-    assert not grade(task, task.target.rsplit(" ", 1)[0] + f" {wrong}")
+    assert not grade(task, task.target[:-2] + wrong)
     assert not grade(task, task.target.replace(END_THINK, ""))  # no final answer section
     assert not grade(task, "")
 
@@ -30,13 +30,13 @@ def test_trace_lines_are_correct_arithmetic() -> None:
     task = make_task("trace", 11, Difficulty(constants=5, steps=30))
     values = {}
     for line in task.prompt.splitlines()[1:]:
-        m = re.fullmatch(r" (\w+) (\d+)", line)
+        m = re.fullmatch(r" ([a-z]+)(\d+)", line)
         if m:
             values[m[1]] = int(m[2])
     cot = task.target.split(END_THINK)[0].strip().splitlines()
     assert len(cot) == 30
     for line in cot:
-        m = re.fullmatch(r"(\w+) = (\w+) ([+-]) (\w+) = (\w+) (\d+) [+-] (\w+) (\d+) = (\w+) (\d+)", line.strip())
+        m = re.fullmatch(r"(\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d+) [+-] ([a-z]+)(\d+) = ([a-z]+)(\d+)", line.strip())
         assert m, line
         name, x, op, y, x2, vx, y2, vy, name2, result = m.groups()
         # Every value is written right after its name.
@@ -53,7 +53,8 @@ def test_trace_lines_are_correct_arithmetic() -> None:
 def test_format_is_regular(family: str) -> None:
     """Names follow NAMES order, values have two digits, chain-of-thought lines one shape."""
     task = make_task(family, 5, Difficulty(constants=7, steps=25))
-    names = [line.split()[0] for line in task.prompt.splitlines()[1:-1] if line.split()[0] not in ("key", "code")]
+    names = [re.match(r" ([a-z]+)", line)[1] for line in task.prompt.splitlines()[1:-1]]
+    names = [n for n in names if n not in ("key", "code")]
     start = NAMES.index(names[0])
     assert names == [NAMES[(start + i) % len(NAMES)] for i in range(len(names))]
     assert all(len(n) == 2 for n in re.findall(r"\d+", task.text.split("\n", 1)[1]))
@@ -65,11 +66,11 @@ def test_format_is_regular(family: str) -> None:
 def test_needles() -> None:
     gen = make_task("gen-needle", 4)
     assert gen.target.lstrip().startswith("key = ")
-    assert gen.target.endswith(f"key {gen.answer}")
+    assert gen.target.endswith(f"key{gen.answer}")
     for depth, where in ((0.0, 1), (1.0, -1)):
         task = make_task("prompt-needle", 4, Difficulty(depth=depth))
         lines = task.prompt.splitlines()[:-1]
-        assert lines[where].strip() == f"code {task.answer}"
+        assert lines[where].strip() == f"code{task.answer}"
 
 
 def test_extract_answer() -> None:
