@@ -66,19 +66,28 @@ class ProbeText:
 class TrainerText:
     """``train_reasoner._recall`` text through ``train_reasoner.build_tokenizer``."""
 
-    def __init__(self) -> None:
+    def __init__(self, bare: bool = False) -> None:
+        self.bare = bare
         self.tok = build_tokenizer(512, 0)
         self.vocab_size = len(self.tok)
         self.names = set(name_token_ids(self.tok).tolist())
-        self.first = set(self.tok.convert_tokens_to_ids(["Ġ" + d for d in "0123456789"]))
-        self.second = set(self.tok.convert_tokens_to_ids(list("0123456789")))
+        self.digits = set(self.tok.convert_tokens_to_ids(list("0123456789")))
 
     def example(self, rng: random.Random, pairs: int) -> tuple[list[int], list[int], list[int]]:
-        prompt, target = _recall(rng, pairs)
+        prompt, target = _recall(rng, pairs, pairs)
+        if self.bare:
+            lines = prompt.split("\n ")[1:-1]
+            prompt = "\n " + "\n ".join(lines[:pairs]) + "\n |"
+            target = "\n " + "\n ".join(target.split("\n ")[1 : pairs + 1])
         p, t = self.tok(prompt)["input_ids"], self.tok(target)["input_ids"]
         labels = [-100] * len(p) + [-100 if i in self.names else i for i in t]
-        kinds = [0] * len(p) + [FIRST if i in self.first else SECOND if i in self.second else 0 for i in t]
-        return p + t, labels, kinds
+        ids = p + t
+        # A value's first digit follows its name, the second follows the first.
+        kinds = [
+            0 if j < len(p) or i not in self.digits else FIRST if ids[j - 1] in self.names else SECOND
+            for j, i in enumerate(ids)
+        ]
+        return ids, labels, kinds
 
 
 def main() -> None:
@@ -91,12 +100,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-replacement", action="store_true", help="probe text: queries without replacement")
     p.add_argument("--split-digits", action="store_true", help="probe text: first digits get tokens of their own")
+    p.add_argument("--bare", action="store_true", help="trainer text: records and queries only")
     p.add_argument("--extra-vocab", type=int, default=0, help="probe text: unused tokens added")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     text = (
-        TrainerText()
+        TrainerText(args.bare)
         if args.text == "trainer"
         else ProbeText(args.split_digits, args.extra_vocab, not args.no_replacement)
     )

@@ -1,13 +1,17 @@
 """Train KvLLM's shipped small reasoning model on the generated task families.
 
 A Qwen3-architecture model (GQA, tied embeddings) with a byte-level BPE tokenizer that
-splits digits, trained on a mixture of ``kvllm.eval.tasks`` families with the loss on
-the chain of thought and answer only. Writes safetensors, tokenizer, config and a model
-card (with held-out Full-KV accuracy) to ``--out``.
+makes every digit a token, trained on a mixture of ``kvllm.eval.tasks`` families (plus
+training-only recall examples and arithmetic drills) with the loss on the chain of
+thought and answer only. Writes safetensors, tokenizer and config, and a
+``training.json`` summary, to ``--out``.
 
-Usage::
+Usage (the shipped model's two stages and their timings are in its card,
+``kvllm/assets/kara-reasoner-tiny/README.md``)::
 
-    python tools/train_reasoner.py --out kvllm/assets/kara-reasoner-tiny --minutes 40
+    python tools/train_reasoner.py --out /tmp/stage1 --minutes 40
+    python tools/train_reasoner.py --out kvllm/assets/kara-reasoner-tiny --init-from /tmp/stage1 \
+        --minutes 19 --floor-until 0.6 --drill 0.4
 """
 
 from __future__ import annotations
@@ -32,15 +36,17 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THI
 
 
 def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE over generated task text; every digit is its own token."""
+    """Byte-level BPE over generated task text; every digit is a token of its own."""
     rng = random.Random(seed)
     corpus = [make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), _difficulty(rng, 1.0)).text for _ in range(1500)]
     tok = Tokenizer(models.BPE())
-    # Each digit is a token, with the space before it if any (" 4", "1"): the name right
-    # before a value is then the token right before its first digit.
+    # Each digit is a token of its own, the same for a value's first and second digit: the
+    # name right before a value (``bo41``) is then the token right before its first digit.
+    # First digits with tokens of their own (" 4") kept the lookup from forming in
+    # probes that formed it with shared digits (docs/training-attempts.md, session 4).
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(r" ?\d"), behavior="isolated"),
+            pre_tokenizers.Split(Regex(r"\d"), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False),
         ]
     )
@@ -94,11 +100,11 @@ def _difficulty(rng: random.Random, level: float, steps: int | None = None, top_
     return Difficulty(constants=rng.randint(2, top_constants), steps=steps, depth=rng.random())
 
 
-def _recall(rng: random.Random, pairs: int) -> tuple[str, str]:
-    """A training-only associative-recall example in the tasks' value format (``bo 41``).
+def _recall(rng: random.Random, pairs: int, queries: int) -> tuple[str, str]:
+    """A training-only associative-recall example in the tasks' value format (``bo41``).
 
-    The prompt lists ``pairs`` values; the chain of thought writes ``pairs`` of them back,
-    drawn with replacement. Reading a value back is the lookup that every task needs
+    The prompt lists ``pairs`` values; the chain of thought writes ``queries`` of them
+    back, drawn with replacement. Reading a value back is the lookup that every task needs
     (find the name, copy what follows). Queries without replacement let a model skip
     the lookup and copy a value not yet written back, which is right half the time with
     4 records; probes sat on that shortcut for 600+ steps and formed the lookup within
@@ -106,10 +112,30 @@ def _recall(rng: random.Random, pairs: int) -> tuple[str, str]:
     so :func:`_batch` puts no loss on them: a loss there slowed the lookup's forming.
     """
     names = rng.sample(NAMES, pairs)
-    records = [f"{name} {rng.randrange(100):02d}" for name in names]
-    queries = [rng.choice(records) for _ in records]
-    lines = ["recall: report every value.", *records, THINK, *queries, END_THINK, queries[-1]]
-    text = "\n ".join(lines)
+    records = [f"{name}{rng.randrange(100):02d}" for name in names]
+    asked = [rng.choice(records) for _ in range(queries)]
+    # No header line: every token of context dilutes the attention a lookup starts from.
+    text = " " + "\n ".join([*records, THINK, *asked, END_THINK, asked[-1]])
+    split = text.index(THINK) + len(THINK)
+    return text[:split], text[split:]
+
+
+def _drill(rng: random.Random, lines: int) -> tuple[str, str]:
+    """A training-only arithmetic drill: chain-of-thought lines of random values.
+
+    Each line has the trace's exact shape (``ce = bo + ku = bo41 + ku13 = ce54``), so the
+    circuits that add or subtract what sits at fixed offsets in a line are the ones the
+    tasks use. :func:`_batch` scores only each line's result: names and operand values
+    are random here. In tasks a line's arithmetic is one target in 18 tokens; here it is
+    the whole point, which the tasks alone did not teach in time (session 4).
+    """
+    out = []
+    for _ in range(lines):
+        name, x, y = rng.sample(NAMES, 3)
+        vx, vy, op = rng.randrange(100), rng.randrange(100), rng.choice("+-")
+        result = (vx + vy) % 100 if op == "+" else (vx - vy) % 100
+        out.append(f"{name} = {x} {op} {y} = {x}{vx:02d} {op} {y}{vy:02d} = {name}{result:02d}")
+    text = "\n ".join(["drill: evaluate every line.", THINK, *out])
     split = text.index(THINK) + len(THINK)
     return text[:split], text[split:]
 
@@ -121,21 +147,33 @@ def _batch(
     level: float,
     top_steps: int,
     recall: float,
+    drill: float,
     name_ids: torch.Tensor,
+    digit_ids: torch.Tensor,
+    pairs: int | None = None,
 ):
     """Examples up to ``token_budget`` padded tokens; labels only on the target.
 
-    A ``recall`` share of the examples are :func:`_recall` ones as long as the tasks.
+    A ``recall`` share of the examples are :func:`_recall` ones and a ``drill`` share
+    :func:`_drill` ones, as long as the tasks; with ``pairs``, all are recall examples of
+    that many records (the warm-up).
     """
-    rows: list[tuple[list[int], int, bool]] = []
+    rows: list[tuple[list[int], int, str]] = []
     longest = 0
     # One program length per batch keeps padding (wasted compute) small.
     steps = _difficulty(rng, level, top_steps=top_steps).steps
     while True:
         d = _difficulty(rng, level, steps, top_steps)
-        is_recall = rng.random() < recall
-        if is_recall:
-            text, answer = _recall(rng, min(len(NAMES), d.constants + d.steps))
+        draw = rng.random()
+        kind = "recall" if pairs is not None or draw < recall else "drill" if draw < recall + drill else "task"
+        n = min(len(NAMES), d.constants + d.steps)
+        if pairs is not None:
+            # Twice as many queries as records: more lookups per token of context.
+            text, answer = _recall(rng, pairs, 2 * pairs)
+        elif kind == "recall":
+            text, answer = _recall(rng, n, n)
+        elif kind == "drill":
+            text, answer = _drill(rng, n)
         else:
             task = make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), d)
             text, answer = task.prompt, task.target
@@ -144,19 +182,82 @@ def _batch(
         ids = prompt + target
         if rows and max(longest, len(ids)) * (len(rows) + 1) > token_budget:
             break
-        rows.append((ids, len(prompt), is_recall))
+        rows.append((ids, len(prompt), kind))
         longest = max(longest, len(ids))
     input_ids = torch.full((len(rows), longest), tok.pad_token_id)
     labels = torch.full((len(rows), longest), -100)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, (ids, n_prompt, is_recall) in enumerate(rows):
+    for i, (ids, n_prompt, kind) in enumerate(rows):
         target = torch.tensor(ids[n_prompt:])
-        if is_recall:
+        if kind == "recall":
             target[torch.isin(target, name_ids)] = -100
+        elif kind == "drill":
+            # Only results: the two digits that end a line (before a line break or EOS).
+            line_end = torch.tensor([tok.convert_tokens_to_ids("Ċ"), tok.eos_token_id])
+            ends = torch.zeros(len(target), dtype=torch.bool)
+            ends[:-1] = torch.isin(target[:-1], digit_ids) & torch.isin(target[1:], line_end)
+            result = ends.clone()
+            result[:-1] |= ends[1:]
+            target[~result] = -100
         input_ids[i, : len(ids)] = torch.tensor(ids)
         labels[i, n_prompt : len(ids)] = target
         mask[i, : len(ids)] = 1
     return input_ids, labels, mask
+
+
+def _prev_token_head(model: Qwen3ForCausalLM) -> None:
+    """Start layer 0's first query head (and its KV head) as a previous-token head.
+
+    A lookup (find the name, copy what follows) is an induction head, which needs a head
+    that moves each token's predecessor into its position, and the two only get a
+    gradient from each other; from a random start the pair formed after 0.7 minutes in
+    one run and not within 2-4 minutes in five others (``docs/training-attempts.md``,
+    session 4). So every token embedding gets a shared direction ``c``, the head's query
+    and key read only ``c`` (so they are the same for every token), and their rotary pairs
+    are set so that the score peaks at distance 1. Everything trains freely from there.
+    Whether this speeds the lookup up is not settled: with it, runs formed the lookup at
+    steps 900-1,650, which the runs without it had not reached.
+    """
+    config = model.config
+    d = config.head_dim
+    half = d // 2
+    emb = model.model.embed_tokens.weight  # tied with the output: a shared shift changes no softmax
+    c = torch.randn(config.hidden_size)
+    c *= emb.norm(dim=1).mean() / c.norm()
+    emb += c
+    q, k = torch.zeros(d), torch.zeros(d)
+    # The two fastest rotary pairs (angles 1 and ~0.56 per position): q . R(delta) k is
+    # then cos(delta - 1) + cos(0.56 (delta - 1)), largest at delta = 1.
+    for i in (0, 1):
+        angle = config.rope_parameters["rope_theta"] ** (-2 * i / d)
+        q[i] = 1.0
+        k[i], k[i + half] = math.cos(angle), math.sin(angle)
+    attn = model.model.layers[0].self_attn
+    read = c / c.norm() ** 2
+    attn.q_proj.weight[:d] = torch.outer(q, read)
+    attn.k_proj.weight[:d] = torch.outer(k, read)
+
+
+def _init(config: Qwen3Config, args: argparse.Namespace, seed: int) -> tuple[Qwen3ForCausalLM, torch.optim.Optimizer]:
+    """A freshly initialised model (weights from ``seed``) and its optimizer."""
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.fill_(args.qk_init)
+        if args.prev_token_init:
+            _prev_token_head(model)
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+    )
+    model.train()
+    return model, opt
 
 
 def _save(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, out: Path) -> None:
@@ -180,21 +281,41 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=100, help="optimizer steps of linear warm-up")
     p.add_argument("--decay", type=float, default=0.2, help="final share of the time the learning rate decays")
     p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument(
+        "--recall-batch-tokens", type=int, default=512, help="warm-up batches: smaller, so more steps per minute"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top-steps", type=int, default=48, help="longest program of the curriculum")
-    p.add_argument("--level-up", type=float, default=0.8, help="digit accuracy that raises the curriculum level")
-    p.add_argument("--recall", type=float, default=0.2, help="share of training-only recall examples")
+    p.add_argument("--level-up", type=float, default=0.85, help="digit accuracy that raises the task level")
+    p.add_argument("--lookup-gate", type=float, default=0.9, help="lookup accuracy that adds a warm-up record")
+    p.add_argument("--recall", type=float, default=0.2, help="share of training-only recall examples among tasks")
+    p.add_argument("--drill", type=float, default=0.3, help="share of training-only arithmetic drills among tasks")
+    p.add_argument("--recall-pairs", type=int, default=6, help="records of the warm-up's last stage (from 2)")
+    p.add_argument("--recall-warmup", type=float, default=15.0, help="most minutes of recall-only warm-up")
     p.add_argument(
-        "--recall-warmup", type=float, default=10.0, help="most minutes of recall-only examples first (3-4 records)"
+        "--restart-after", type=float, default=5.0, help="minutes without a 2-record lookup before a fresh start"
+    )
+    p.add_argument(
+        "--prev-token-init",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start one layer-0 head as a previous-token head",
+    )
+    p.add_argument("--init-from", type=Path, default=None, help="continue from this saved model (no warm-up)")
+    p.add_argument(
+        "--floor-until", type=float, default=0.0, help="share of the run by which the task level reaches 1 (0: off)"
     )
     p.add_argument("--qk-init", type=float, default=1.0, help="initial weight of Qwen3's q/k RMSNorms")
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
     p.add_argument("--save-every", type=float, default=0.0, help="minutes between snapshots (0: at the end)")
     args = p.parse_args()
-    torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
-    tok = build_tokenizer(args.vocab, args.seed)
+    tok = (
+        build_tokenizer(args.vocab, args.seed)
+        if args.init_from is None
+        else PreTrainedTokenizerFast.from_pretrained(args.init_from)
+    )
     config = model_config(
         len(tok),
         args.hidden,
@@ -205,82 +326,109 @@ def main() -> None:
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id,
     )
-    model = Qwen3ForCausalLM(config)
-    model.config._attn_implementation = "sdpa"
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("q_norm.weight", "k_norm.weight")):
-                param.fill_(args.qk_init)
+    model, opt = _init(config, args, args.seed)
+    if args.init_from is not None:
+        # Continue an earlier run (its weights; the optimizer starts afresh) on the tasks.
+        model.load_state_dict(Qwen3ForCausalLM.from_pretrained(args.init_from).state_dict())
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params / 1e6:.2f}M, vocab {len(tok)}, threads {torch.get_num_threads()}", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.98),
-    )
-    digit_ids = torch.tensor(tok.convert_tokens_to_ids([p + d for p in ("", "Ġ") for d in "0123456789"]))
+    digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
     name_ids = name_token_ids(tok)
     budget = args.minutes * 60
     start = time.perf_counter()
-    step, tokens, log_loss, log_n, log_hit, log_digits = 0, 0, 0.0, 0, 0, 0
-    level, digit_ema, warming = 0.0, 0.0, True
-    last_log = last_save = start
-    model.train()
+    step, tokens, log_loss, log_n = 0, 0, 0.0, 0
+    log_hit, log_digits, log_look, log_lookups = 0, 0, 0, 0
+    # Recall-only warm-up from 2 records up, one more each time the lookup is mostly
+    # right; then the tasks, one curriculum level up each step their digits are mostly
+    # right. No time floor: a level forced up before the lookup formed diverged (run 11).
+    level, digit_ema, lookup_ema = 0.0, 0.0, 0.0
+    pairs = 2 if args.init_from is None else args.recall_pairs + 1
+    last_log = last_save = attempt_start = start
+    attempt, attempt_step = 0, 0
     while (elapsed := time.perf_counter() - start) < budget:
         progress = elapsed / budget
+        # Whether and when the lookup forms depends on the initialisation and the data
+        # order: it formed at step 279 in one run and at step 1,645 in another, on the
+        # same 2-record text. Past a patience, a fresh start is cheaper than waiting.
+        if pairs == 2 and time.perf_counter() - attempt_start > 60 * args.restart_after:
+            attempt, attempt_step, lookup_ema = attempt + 1, 0, 0.0
+            model, opt = _init(config, args, args.seed + attempt)
+            attempt_start = time.perf_counter()
+            print(
+                f"{elapsed / 60:5.1f} min step {step}: no lookup yet, restart {attempt} (seed {args.seed + attempt})",
+                flush=True,
+            )
         # Constant after warm-up, cosine down to a tenth in the last ``decay`` share only:
         # the copy circuits need many steps at a high rate to form.
-        warm = min(1.0, (step + 1) / args.warmup)
+        warm = min(1.0, (attempt_step + 1) / args.warmup)
         tail = max(0.0, (progress - (1 - args.decay)) / args.decay)
         lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
         for group in opt.param_groups:
             group["lr"] = lr
-        # Recall only until the lookup has formed (digits mostly right), then the tasks.
-        if warming and (elapsed > 60 * args.recall_warmup or digit_ema > args.level_up):
-            warming, digit_ema = False, 0.0
-            print(f"{elapsed / 60:5.1f} min step {step}: recall warm-up done, tasks from now on", flush=True)
-        # Harder tasks once digits are mostly right, and by a time floor in any case.
-        floor = min(1.0, max(0.0, (progress - 0.2) / 0.5))
-        if digit_ema > args.level_up and not warming:
+        warming = pairs <= args.recall_pairs
+        if warming and lookup_ema > args.lookup_gate:
+            pairs, lookup_ema = pairs + 1, 0.0
+            print(f"{elapsed / 60:5.1f} min step {step}: lookup formed, recall with {pairs} records", flush=True)
+        if warming and elapsed > 60 * args.recall_warmup:
+            pairs = args.recall_pairs + 1
+            print(f"{elapsed / 60:5.1f} min step {step}: recall warm-up out of time", flush=True)
+        if warming and pairs > args.recall_pairs:
+            digit_ema = 0.0
+            print(f"{elapsed / 60:5.1f} min step {step}: tasks from now on", flush=True)
+        warming = pairs <= args.recall_pairs
+        if not warming and digit_ema > args.level_up:
             level = min(1.0, level + 0.01)
-        level = max(level, floor)
-        if warming:
-            # Level 0, one-step programs: recall examples of 3-4 records.
-            input_ids, labels, mask = _batch(
-                tok, rng, args.batch_tokens, level=0.0, top_steps=1, recall=1.0, name_ids=name_ids
-            )
-        else:
-            input_ids, labels, mask = _batch(tok, rng, args.batch_tokens, level, args.top_steps, args.recall, name_ids)
+        if not warming and args.floor_until > 0:
+            # A time floor, for runs whose lookup has formed: without it a model that reads
+            # values back but cannot yet add never sees a program longer than 3 steps.
+            level = max(level, min(1.0, progress / args.floor_until))
+        input_ids, labels, mask = _batch(
+            tok,
+            rng,
+            args.recall_batch_tokens if warming else args.batch_tokens,
+            level,
+            args.top_steps,
+            args.recall,
+            args.drill,
+            name_ids,
+            digit_ids,
+            pairs=pairs if warming else None,
+        )
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         loss = out.loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step += 1
+        step, attempt_step = step + 1, attempt_step + 1
         tokens += int(mask.sum())
         log_loss += loss.item()
         log_n += 1
-        # Teacher-forced accuracy on digit targets: the values copied and computed, the
-        # part of the chain of thought that the format alone does not predict.
+        # Teacher-forced accuracy on digit targets (the values copied and computed, the
+        # part the format alone does not predict) and on the lookups among them (a digit
+        # right after a name: the first digit of a value read back or computed).
         with torch.no_grad():
             target = labels[:, 1:]
+            right = out.logits[:, :-1].argmax(-1) == target
             digits = torch.isin(target, digit_ids)
-            hit = int(((out.logits[:, :-1].argmax(-1) == target) & digits).sum())
-            log_hit += hit
-            log_digits += int(digits.sum())
-            digit_ema = 0.95 * digit_ema + 0.05 * hit / max(1, int(digits.sum()))
+            lookups = digits & torch.isin(input_ids[:, :-1], name_ids)
+            hit, n_digits = int((right & digits).sum()), int(digits.sum())
+            look, n_lookups = int((right & lookups).sum()), int(lookups.sum())
+            log_hit, log_digits = log_hit + hit, log_digits + n_digits
+            log_look, log_lookups = log_look + look, log_lookups + n_lookups
+            digit_ema = 0.95 * digit_ema + 0.05 * hit / max(1, n_digits)
+            lookup_ema = 0.95 * lookup_ema + 0.05 * look / max(1, n_lookups)
         if time.perf_counter() - last_log > args.log_every:
             now = time.perf_counter() - start
             print(
                 f"{now / 60:5.1f} min step {step} loss {log_loss / log_n:.4f} "
-                f"digit acc {log_hit / max(1, log_digits):.3f} level {level:.2f} lr {lr:.2e} "
+                f"digits {log_hit / max(1, log_digits):.3f} lookups {log_look / max(1, log_lookups):.3f} "
+                f"{f'records {pairs}' if pairs <= args.recall_pairs else f'level {level:.2f}'} lr {lr:.2e} "
                 f"{tokens / now:.0f} tok/s ({tokens / 1e6:.2f}M tokens)",
                 flush=True,
             )
-            log_loss, log_n, log_hit, log_digits, last_log = 0.0, 0, 0, 0, time.perf_counter()
+            log_loss, log_n, log_hit, log_digits, log_look, log_lookups = 0.0, 0, 0, 0, 0, 0
+            last_log = time.perf_counter()
         if args.save_every and time.perf_counter() - last_save > 60 * args.save_every:
             _save(model, tok, args.out)
             model.train()
@@ -290,6 +438,7 @@ def main() -> None:
     _save(model, tok, args.out)
     summary = {
         "params": n_params,
+        "restarts": attempt,
         "steps": step,
         "train_tokens": tokens,
         "train_seconds": round(wall, 1),
