@@ -180,7 +180,7 @@ def evaluate(
 ) -> None:
     """Accuracy vs retention for every method: a table, a CSV/JSON and a plot. Resumes."""
     from kvllm.eval.math import load_math
-    from kvllm.eval.plots import plot_accuracy
+    from kvllm.eval.plots import accuracy_markdown, plot_accuracy
     from kvllm.eval.problems import task_problems
     from kvllm.eval.runner import run_grid
     from kvllm.eval.tasks import Difficulty
@@ -223,6 +223,7 @@ def evaluate(
             on_progress=step,
         )
     plot_accuracy(results, out / "accuracy.png", title=f"W={window} b={buffer} P={period}")
+    (out / "results.md").write_text(accuracy_markdown(results))
     table = Table(title="accuracy (%)")
     table.add_column("method")
     table.add_column("family")
@@ -237,7 +238,7 @@ def evaluate(
                 row.append("-" if res is None else f"{100 * res.accuracy:.1f}")
             table.add_row(m, family, *row)
     console.print(table)
-    console.print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'accuracy.png'}")
+    console.print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

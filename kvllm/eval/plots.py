@@ -36,6 +36,22 @@ def accuracy_table(results: Sequence[CellResult]) -> dict[str, dict[str, dict[fl
     return table
 
 
+def accuracy_markdown(results: Sequence[CellResult]) -> str:
+    """Markdown tables of :func:`accuracy_table`: one per family (and the mean), a row per
+    method, a column per retention, accuracy in percent."""
+    table = accuracy_table(results)
+    out = []
+    for family in sorted(f for f in table if f != "mean") + (["mean"] if "mean" in table else []):
+        points = sorted({p for curve in table[family].values() for p in curve})
+        out += [f"**{family}**", "", "| method | " + " | ".join(f"r={p:g}" for p in points) + " |"]
+        out.append("| --- |" + " ---: |" * len(points))
+        for method, curve in sorted(table[family].items()):
+            cells = [f"{100 * curve[p]:.1f}" if p in curve else "-" for p in points]
+            out.append(f"| {method} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def plot_accuracy(results: Sequence[CellResult], path: Path, title: str = "") -> Path:
     """One panel per family (plus the mean): accuracy vs retention, a line per method."""
     table = accuracy_table(results)

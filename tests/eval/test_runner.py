@@ -54,7 +54,7 @@ def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -
     ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    for name in ("results.jsonl", "results.csv", "results.json", "accuracy.png"):
+    for name in ("results.jsonl", "results.csv", "results.json", "results.md", "accuracy.png"):
         assert (out / name).stat().st_size > 0
     rows = json.loads((out / "results.json").read_text())
     assert {(r["method"], r["retention"]) for r in rows} == {(FULL, 1.0), ("kara", 0.25), ("snapkv", 0.25)}
@@ -90,3 +90,23 @@ def test_plot_of_a_full_kv_only_grid(tmp_path: Path) -> None:
     ]
     assert accuracy_table(results)["trace"] == {FULL: {1.0: 0.5}}
     assert plot_accuracy(results, tmp_path / "a.png").stat().st_size > 0
+
+
+def test_markdown_tables_put_full_kv_at_retention_one() -> None:
+    from kvllm.eval.plots import accuracy_markdown
+    from kvllm.eval.runner import CellResult
+
+    def cell(method: str, retention: float, family: str, accuracy: float) -> CellResult:
+        return CellResult(method, retention, family, 4, round(4 * accuracy), accuracy, 10.0, 1.0, 0.1, [])
+
+    results = [
+        cell(FULL, 1.0, "trace", 1.0),
+        cell("kara", 0.2, "trace", 0.75),
+        cell(FULL, 1.0, "gen-needle", 0.5),
+        cell("kara", 0.2, "gen-needle", 0.25),
+    ]
+    md = accuracy_markdown(results)
+    assert "| kara | 75.0 | 100.0 |" in md
+    assert "| kara | 25.0 | 50.0 |" in md
+    # The mean over families: (75 + 25) / 2 and (100 + 50) / 2.
+    assert md.split("**mean**")[1].count("| kara | 50.0 | 75.0 |") == 1
