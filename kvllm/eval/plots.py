@@ -36,12 +36,17 @@ def accuracy_table(results: Sequence[CellResult]) -> dict[str, dict[str, dict[fl
     return table
 
 
+def _families(table: dict[str, dict[str, dict[float, float]]]) -> list[str]:
+    """The families of an :func:`accuracy_table` in report order: sorted, then the mean."""
+    return sorted(f for f in table if f != "mean") + (["mean"] if "mean" in table else [])
+
+
 def accuracy_markdown(results: Sequence[CellResult]) -> str:
     """Markdown tables of :func:`accuracy_table`: one per family (and the mean), a row per
     method, a column per retention, accuracy in percent."""
     table = accuracy_table(results)
     out = []
-    for family in sorted(f for f in table if f != "mean") + (["mean"] if "mean" in table else []):
+    for family in _families(table):
         points = sorted({p for curve in table[family].values() for p in curve})
         out += [f"**{family}**", "", "| method | " + " | ".join(f"r={p:g}" for p in points) + " |"]
         out.append("| --- |" + " ---: |" * len(points))
@@ -55,7 +60,7 @@ def accuracy_markdown(results: Sequence[CellResult]) -> str:
 def plot_accuracy(results: Sequence[CellResult], path: Path, title: str = "") -> Path:
     """One panel per family (plus the mean): accuracy vs retention, a line per method."""
     table = accuracy_table(results)
-    panels = sorted(f for f in table if f != "mean") + (["mean"] if "mean" in table else [])
+    panels = _families(table)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False, sharey=True)
     for ax, family in zip(axes[0], panels, strict=True):
         for method, curve in sorted(table[family].items()):
