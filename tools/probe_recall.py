@@ -76,8 +76,8 @@ class TrainerText:
     def example(self, rng: random.Random, pairs: int) -> tuple[list[int], list[int], list[int]]:
         prompt, target = _recall(rng, pairs, pairs)
         if self.bare:
-            lines = prompt.split("\n ")[1:-1]
-            prompt = "\n " + "\n ".join(lines[:pairs]) + "\n |"
+            records = prompt.split("\n ")[:-1]  # the first keeps its leading space
+            prompt = "\n ".join(records) + "\n |"
             target = "\n " + "\n ".join(target.split("\n ")[1 : pairs + 1])
         p, t = self.tok(prompt)["input_ids"], self.tok(target)["input_ids"]
         labels = [-100] * len(p) + [-100 if i in self.names else i for i in t]

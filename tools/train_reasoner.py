@@ -160,6 +160,7 @@ def _batch(
     """
     rows: list[tuple[list[int], int, str]] = []
     longest = 0
+    line_end = torch.tensor([tok.convert_tokens_to_ids("Ċ"), tok.eos_token_id])
     # One program length per batch keeps padding (wasted compute) small.
     steps = _difficulty(rng, level, top_steps=top_steps).steps
     while True:
@@ -193,7 +194,6 @@ def _batch(
             target[torch.isin(target, name_ids)] = -100
         elif kind == "drill":
             # Only results: the two digits that end a line (before a line break or EOS).
-            line_end = torch.tensor([tok.convert_tokens_to_ids("Ċ"), tok.eos_token_id])
             ends = torch.zeros(len(target), dtype=torch.bool)
             ends[:-1] = torch.isin(target[:-1], digit_ids) & torch.isin(target[1:], line_end)
             result = ends.clone()
@@ -215,8 +215,9 @@ def _prev_token_head(model: Qwen3ForCausalLM) -> None:
     session 4). So every token embedding gets a shared direction ``c``, the head's query
     and key read only ``c`` (so they are the same for every token), and their rotary pairs
     are set so that the score peaks at distance 1. Everything trains freely from there.
-    Whether this speeds the lookup up is not settled: with it, runs formed the lookup at
-    steps 900-1,650, which the runs without it had not reached.
+    Whether this speeds the lookup up is not settled: with it, three runs formed the
+    lookup at steps 900-1,650; without it, one run formed it at step 279 and five others
+    had not by steps 800-1,260, when they were stopped.
     """
     config = model.config
     d = config.head_dim
@@ -340,7 +341,8 @@ def main() -> None:
     log_hit, log_digits, log_look, log_lookups = 0, 0, 0, 0
     # Recall-only warm-up from 2 records up, one more each time the lookup is mostly
     # right; then the tasks, one curriculum level up each step their digits are mostly
-    # right. No time floor: a level forced up before the lookup formed diverged (run 11).
+    # right. The time floor is off unless asked for (``--floor-until``): a level forced up
+    # before the lookup formed diverged (run 11).
     level, digit_ema, lookup_ema = 0.0, 0.0, 0.0
     pairs = 2 if args.init_from is None else args.recall_pairs + 1
     last_log = last_save = attempt_start = start
@@ -365,16 +367,16 @@ def main() -> None:
         lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * tail)))
         for group in opt.param_groups:
             group["lr"] = lr
-        warming = pairs <= args.recall_pairs
-        if warming and lookup_ema > args.lookup_gate:
-            pairs, lookup_ema = pairs + 1, 0.0
-            print(f"{elapsed / 60:5.1f} min step {step}: lookup formed, recall with {pairs} records", flush=True)
-        if warming and elapsed > 60 * args.recall_warmup:
-            pairs = args.recall_pairs + 1
-            print(f"{elapsed / 60:5.1f} min step {step}: recall warm-up out of time", flush=True)
-        if warming and pairs > args.recall_pairs:
-            digit_ema = 0.0
-            print(f"{elapsed / 60:5.1f} min step {step}: tasks from now on", flush=True)
+        if pairs <= args.recall_pairs:
+            if lookup_ema > args.lookup_gate:
+                pairs, lookup_ema = pairs + 1, 0.0
+                print(f"{elapsed / 60:5.1f} min step {step}: lookup formed, recall with {pairs} records", flush=True)
+            if elapsed > 60 * args.recall_warmup:
+                pairs = args.recall_pairs + 1
+                print(f"{elapsed / 60:5.1f} min step {step}: recall warm-up out of time", flush=True)
+            if pairs > args.recall_pairs:
+                digit_ema = 0.0
+                print(f"{elapsed / 60:5.1f} min step {step}: tasks from now on", flush=True)
         warming = pairs <= args.recall_pairs
         if not warming and digit_ema > args.level_up:
             level = min(1.0, level + 0.01)
