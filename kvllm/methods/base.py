@@ -2,21 +2,32 @@
 
 A method answers one question: given a window's post-RoPE queries and keys and a
 budget, which keys of the compressible area stay? It knows nothing about blocks,
-caches or engines (DESIGN.md §1), so the transformers reference backend and the vLLM
-backend call the very same code.
+caches, engines or :class:`~kvllm.config.CompressionConfig` (docs/design.md, "Layers"),
+so the transformers reference backend and the vLLM backend call the very same code.
+
+A method's own knobs live with it, as a frozen :class:`MethodParams` dataclass named
+``Params`` on its class; the config carries only the overrides a user gave
+(``CompressionConfig(method="kara", params={"rho": 0.4})``) and resolves them here.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
     from kvllm.config import CompressionConfig
+
+#: How a method parameter is named in errors: the user sets it through the config.
+FIELD = "CompressionConfig.params"
 
 
 @dataclass(frozen=True)
@@ -34,11 +45,15 @@ class Window:
     n_compress
         C: the compressible area is ``keys[..., :C, :]``; the rest of the span (the
         protected buffer, or the recent tokens of a threshold round) only scores.
+    seeds
+        One random-stream key per sequence (:func:`stream_seed`), for methods that draw
+        random numbers; ``None`` when the backend has none to give.
     """
 
     queries: Tensor
     keys: Tensor
     n_compress: int
+    seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         q, k = self.queries, self.keys
@@ -50,6 +65,8 @@ class Window:
             raise ValueError(f"{q.shape[3]} queries but only {k.shape[3]} keys in the span")
         if not 1 <= self.n_compress <= k.shape[3]:
             raise ValueError(f"n_compress={self.n_compress} must be in [1, {k.shape[3]}]")
+        if self.seeds is not None and len(self.seeds) != q.shape[0]:
+            raise ValueError(f"{len(self.seeds)} seeds for {q.shape[0]} sequences")
 
     @property
     def group(self) -> int:
@@ -84,15 +101,60 @@ class Selection:
         return self.valid.sum(-1)
 
 
+def stream_seed(prompt_ids: Sequence[int], round_index: int) -> int:
+    """The random-stream key of one sequence's round ``round_index`` (0-based).
+
+    Both backends derive it from what they share, the prompt's token ids and the round,
+    so a request draws reproducibly, differently each round, and the same in hf and vLLM.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(round_index.to_bytes(8, "little"))
+    digest.update(b"".join(int(t).to_bytes(8, "little") for t in prompt_ids))
+    return int.from_bytes(digest.digest(), "little") >> 1  # a non-negative int64
+
+
+@dataclass(frozen=True)
+class MethodParams:
+    """A method's own knobs (none here). Subclasses are frozen dataclasses with defaults."""
+
+    def check(self, window: int, buffer: int) -> None:
+        """Raise ``ValueError`` naming a field outside its range, for windows of ``window``
+        compressible tokens and a ``buffer`` of protected ones."""
+
+
 class Method(ABC):
-    """A KV selection method. Subclasses set ``name`` and implement :meth:`select`."""
+    """A KV selection method. Subclasses set ``name`` and implement :meth:`select`.
+
+    Parameters
+    ----------
+    params
+        The method's resolved :attr:`Params` (:meth:`resolve`).
+    """
 
     name: ClassVar[str]
     #: Whether every (layer, KV head) keeps the same count, so a block table fits all.
     uniform: ClassVar[bool] = True
+    #: The method's parameter dataclass.
+    Params: ClassVar[type[MethodParams]] = MethodParams
 
-    def __init__(self, config: CompressionConfig) -> None:
-        self.config = config
+    def __init__(self, params: MethodParams) -> None:
+        self.params = params
+
+    @classmethod
+    def resolve(cls, raw: Mapping[str, Any] | MethodParams | None, window: int, buffer: int) -> MethodParams:
+        """``raw`` overrides on top of :attr:`Params`' defaults, checked."""
+        if isinstance(raw, cls.Params):
+            params = raw
+        else:
+            raw = dict(raw or {})
+            names = [f.name for f in dataclasses.fields(cls.Params)]
+            unknown = sorted(set(raw) - set(names))
+            if unknown:
+                valid = f"valid: {', '.join(names)}" if names else "it has none"
+                raise ValueError(f"{FIELD} has unknown field(s) {unknown} for method {cls.name!r}: {valid}")
+            params = cls.Params(**raw)
+        params.check(window, buffer)
+        return params
 
     @abstractmethod
     def select(self, window: Window, budget: int) -> Selection:
@@ -121,6 +183,10 @@ def method_class(name: str) -> type[Method]:
     return _REGISTRY[name]
 
 
+@functools.lru_cache(maxsize=256)
 def build(config: CompressionConfig) -> Method:
-    """The method named by ``config.method``, parameterised by ``config``."""
-    return method_class(config.method)(config)
+    """The method named by ``config.method``, with its resolved parameters.
+
+    Built once per configuration and shared: methods hold no state between calls.
+    """
+    return method_class(config.method)(config.method_params)

@@ -1,7 +1,7 @@
 """Kara: bidirectional window scoring + Token2Chunk, and its two ablations.
 
 Kara, "Efficient Reasoning LLM Serving via Sliding-Window KV Cache Compression"
-(DESIGN.md §3). For every layer l and KV head h with GQA query-head group G::
+(docs/design.md, "Kara"). For every layer l and KV head h with GQA query-head group G::
 
     A_g     = softmax(Q_g K^T / sqrt(d))        # no causal mask, fp32, over the W + b keys
     score_i = sum_{g in G} sum_j A_g[j, i]      # i in the compressible area C (first W)
@@ -12,24 +12,57 @@ rho = 0.5, beta = 1, max_gap = 16. Ablations at the same budget:
 
 - ``kara-causal``: the same with a causal mask (each query sees only earlier keys);
 - ``kara-topk``: bidirectional scores, plain top-m (no Token2Chunk).
+
+Reference: Kara is this project's own method, so its reference is the spec above
+(docs/design.md, "Kara" and "Token2Chunk"), not outside code; there is nothing to
+deviate from. ``tests/methods/test_references.py`` scores the keys independently from
+that spec and checks the kept sets of all three.
 """
 
 from __future__ import annotations
 
-from kvllm.methods.base import Method, Selection, Window, register
+from dataclasses import dataclass
+
+from kvllm.checks import check_int, check_number
+from kvllm.methods.base import FIELD, Method, MethodParams, Selection, Window, register
 from kvllm.methods.scoring import attention_scores, topk_sorted
 from kvllm.methods.token2chunk import token2chunk
+
+
+@dataclass(frozen=True)
+class KaraParams(MethodParams):
+    """Token2Chunk's knobs (docs/design.md, "Token2Chunk").
+
+    Attributes
+    ----------
+    rho
+        K = max(1, round(rho * m)) top tokens become chunk endpoints, in (0, 1].
+    beta
+        A chunk scores (s[c_i] + s[c_i+1]) / (g + 2) ** beta, beta >= 0.
+    max_gap
+        The longest gap between endpoints that may be filled whole, >= 0.
+    """
+
+    rho: float = 0.5
+    beta: float = 1.0
+    max_gap: int = 16
+
+    def check(self, window: int, buffer: int) -> None:
+        check_number(f"{FIELD}.rho", self.rho, 0.0, 1.0, "must be in (0, 1]", lo_open=True)
+        check_number(f"{FIELD}.beta", self.beta, 0.0, float("inf"), "must be >= 0")
+        check_int(f"{FIELD}.max_gap", self.max_gap, 0)
 
 
 @register
 class Kara(Method):
     name = "kara"
+    Params = KaraParams
     causal = False
 
     def select(self, window: Window, budget: int) -> Selection:
         scores = attention_scores(window, causal=self.causal)[..., : window.n_compress]
-        cfg = self.config
-        return Selection(token2chunk(scores, budget, cfg.rho, cfg.beta, cfg.max_gap))
+        p = self.params
+        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
 
 
 @register

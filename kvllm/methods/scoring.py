@@ -19,7 +19,7 @@ def attention_scores(window: Window, *, causal: bool, last_queries: int | None =
     """Column sums of softmax attention, per KV head, over the window's keys.
 
     ``A_g = softmax(Q_g K^T / sqrt(d))`` for every query head ``g`` of a KV head's GQA
-    group; the score of key ``i`` is ``sum_g sum_j A_g[j, i]`` (DESIGN.md §3).
+    group; the score of key ``i`` is ``sum_g sum_j A_g[j, i]`` (docs/design.md, "Kara").
 
     Parameters
     ----------

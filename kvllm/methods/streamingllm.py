@@ -1,8 +1,16 @@
 """StreamingLLM: attention sinks plus the most recent tokens.
 
 Xiao et al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024.
-The sink tokens sit in the prompt, which is never compressed, so inside a
-compressible area StreamingLLM keeps its last m tokens (the most recent ones).
+References read: mit-han-lab/streaming-llm at 2e50426, ``streaming_llm/kv_cache.py``
+(``StartRecentKVCache``: ``start_size = 4`` sinks and the last ``recent_size`` tokens),
+and NVIDIA/kvpress at 8bb29b9, ``kvpress/presses/streaming_llm_press.py``
+(``n_sink = 4``).
+
+Where we differ, and why: compression here runs per window of generated tokens, and
+the prompt is never compressed, so the sequence's first tokens, the sinks, always stay
+(the prompt keeps the sinks). Inside a window's compressible area StreamingLLM keeps
+its last m tokens, the most recent ones, per window rather than once over the whole
+cache.
 """
 
 from __future__ import annotations

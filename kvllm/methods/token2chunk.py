@@ -1,7 +1,7 @@
 """Token2Chunk: expand top-scoring candidate tokens into flexible contiguous chunks.
 
 Kara (sliding-window KV cache compression for reasoning LLM serving), §Token2Chunk;
-the exact procedure is DESIGN.md §3:
+the exact procedure is docs/design.md, "Token2Chunk":
 
 1. K = max(1, round(rho * m)) top-scoring tokens are candidates, sorted by index.
 2. Each consecutive pair (c_i, c_{i+1}) with an interior gap g_i = c_{i+1} - c_i - 1 > 0
@@ -33,7 +33,7 @@ def token2chunk(scores: Tensor, budget: int, rho: float, beta: float, max_gap: i
     budget
         m, the slots to keep per row.
     rho, beta, max_gap
-        Token2Chunk knobs, see :class:`kvllm.config.CompressionConfig`.
+        Token2Chunk knobs, see :class:`kvllm.methods.kara.KaraParams`.
 
     Returns
     -------

@@ -1,0 +1,385 @@
+"""Every registered method against a small, independent re-implementation of its reference.
+
+Each reference below is written from the method's paper and the reference code named
+in its module's docstring (kvpress at 8bb29b9, R-KV at d15c976, FMInference/H2O at
+ac75c2a, ...), row by row in plain torch, without calling the package's scoring code,
+and gives the kept index set on seeded random tensors. A method must keep exactly that
+set. Kara's reference is its spec (bidirectional column sums + Token2Chunk; only the
+chunk step reuses :func:`~kvllm.methods.token2chunk.token2chunk`). Random has no set
+to match; its reference checks that draws are reproducible per seed.
+
+A newly registered method without an entry in :data:`REFERENCES` fails
+:func:`test_every_registered_method_has_a_reference`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from kvllm.methods import Method, Selection, Window, available, method_class
+from kvllm.methods.token2chunk import token2chunk
+
+# A reference: (window, budget, the method's resolved params) -> kept mask [B, L, Hkv, C].
+Reference = Callable[[Window, int, Any], Tensor]
+# A check: (method, window, budget) -> None, raising when the method disagrees.
+Check = Callable[[Method, Window, int], None]
+
+
+def make_window(buffer: int, *, n_compress: int = 48, layers: int = 4, seed: int = 0) -> Window:
+    """2 sequences x ``layers`` x 2 KV heads (GQA group 2), d = 8; queries of every span token."""
+    gen = torch.Generator().manual_seed(seed)
+    n = n_compress + buffer
+    q = 1.5 * torch.randn(2, layers, 4, n, 8, generator=gen)
+    k = 1.5 * torch.randn(2, layers, 2, n, 8, generator=gen)
+    return Window(q, k, n_compress)
+
+
+def kept_mask(selection: Selection, c: int) -> Tensor:
+    idx = selection.indices
+    valid = torch.ones_like(idx, dtype=torch.bool) if selection.valid is None else selection.valid
+    counts = torch.zeros((*idx.shape[:-1], c), dtype=torch.long).scatter_add_(-1, idx, valid.long())
+    assert counts.max() <= 1, "an index is kept twice"
+    return counts > 0
+
+
+def rows_to_mask(window: Window, kept: Callable[[int, int], list[list[int]]]) -> Tensor:
+    """Build the mask from ``kept(b, l)``: one index list per KV head."""
+    b, layers, hkv = window.keys.shape[:3]
+    mask = torch.zeros(b, layers, hkv, window.n_compress, dtype=torch.bool)
+    for bi in range(b):
+        for li in range(layers):
+            for h, indices in enumerate(kept(bi, li)):
+                mask[bi, li, h, list(indices)] = True
+    return mask
+
+
+def top(scores: Tensor, m: int) -> list[int]:
+    return sorted(scores.topk(m).indices.tolist())
+
+
+def avg_pool(x: Tensor, kernel: int) -> Tensor:
+    """SnapKV's ``avg_pool1d(padding=k // 2, stride=1)``: zeros padded and counted."""
+    r = kernel // 2
+    padded = torch.cat([x.new_zeros(r), x, x.new_zeros(r)])
+    return torch.stack([padded[i : i + kernel].sum() / kernel for i in range(len(x))])
+
+
+def max_pool(x: Tensor, kernel: int) -> Tensor:
+    """R-KV's ``max_pool1d(padding=k // 2, stride=1)``: padding never wins."""
+    r = kernel // 2
+    return torch.stack([x[max(0, i - r) : i + r + 1].max() for i in range(len(x))])
+
+
+def attention(q: Tensor, k: Tensor, *, causal: bool) -> Tensor:
+    """``[Hq, Nq, N]`` softmax attention of the span's last ``Nq`` queries; KV head ``h // G``."""
+    hq, nq, d = q.shape
+    n = k.shape[1]
+    krep = k.repeat_interleave(hq // k.shape[0], dim=0)
+    logits = q @ krep.transpose(1, 2) / math.sqrt(d)
+    if causal:
+        # Query j is the token at span position n - nq + j: it sees keys <= that.
+        future = torch.ones(nq, n, dtype=torch.bool).triu(diagonal=n - nq + 1)
+        logits = logits.masked_fill(future, float("-inf"))
+    return logits.softmax(-1)
+
+
+def kvpress_snapkv(window: Window, bi: int, li: int, obs: int, kernel: int) -> Tensor:
+    """kvpress's ``SnapKVPress.score`` without the padded window: ``[Hkv, N - obs]``.
+
+    The last ``obs`` queries, causal, mean over them, average-pooled per query head,
+    then the mean over the GQA group.
+    """
+    q, k = window.queries[bi, li], window.keys[bi, li]
+    hkv, n = k.shape[:2]
+    assert n - obs == window.n_compress, "kvpress's set is ours when obs_window == buffer"
+    attn = attention(q[:, -obs:], k, causal=True)[..., :-obs].mean(1)
+    pooled = torch.stack([avg_pool(row, kernel) for row in attn])
+    return pooled.view(hkv, -1, n - obs).mean(1)
+
+
+# ----------------------------------------------------------------------------- Kara
+
+
+def kara_scores(window: Window, bi: int, li: int, *, causal: bool) -> Tensor:
+    """The spec: ``sum_g sum_j softmax(Q_g K^T / sqrt(d))[j, i]`` over all W + b queries."""
+    q, k = window.queries[bi, li], window.keys[bi, li]
+    attn = attention(q, k, causal=causal).sum(1)  # [Hq, N]
+    return attn.view(k.shape[0], -1, k.shape[1]).sum(1)[:, : window.n_compress]
+
+
+def kara_reference(causal: bool, chunks: bool) -> Reference:
+    def reference(window: Window, budget: int, params: Any) -> Tensor:
+        def kept(bi: int, li: int) -> list[list[int]]:
+            s = kara_scores(window, bi, li, causal=causal)
+            if not chunks:
+                return [top(row, min(budget, len(row))) for row in s]
+            return token2chunk(s, budget, params.rho, params.beta, params.max_gap).tolist()
+
+        return rows_to_mask(window, kept)
+
+    return reference
+
+
+# ------------------------------------------------------------------ SnapKV family
+
+
+def snapkv_reference(window: Window, budget: int, params: Any) -> Tensor:
+    def kept(bi: int, li: int) -> list[list[int]]:
+        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        return [top(row, budget) for row in s]
+
+    return rows_to_mask(window, kept)
+
+
+def pyramid_schedule(n_layers: int, m: int, beta: float, cap: int) -> list[int]:
+    """PyramidKV's linear schedule (kvpress's ``get_layer_budget``), clamped, then rounded
+    by largest remainder so that it sums to ``n_layers * m``."""
+    if n_layers == 1:
+        return [m]
+    lo = m / beta
+    hi = 2 * m - lo
+    if hi > cap:  # kvpress: the first layer is capped, the last ones take the rest
+        hi, lo = cap, 2 * m - cap
+    if lo < 1:
+        hi, lo = 2 * m - 1, 1
+    exact = [hi - (hi - lo) * layer / (n_layers - 1) for layer in range(n_layers)]
+    counts = [math.floor(x + 1e-9) for x in exact]
+    remainders = sorted(range(n_layers), key=lambda layer: (counts[layer] - exact[layer], layer))
+    for layer in remainders[: n_layers * m - sum(counts)]:
+        counts[layer] += 1
+    return counts
+
+
+def pyramidkv_reference(window: Window, budget: int, params: Any) -> Tensor:
+    layers = window.keys.shape[1]
+    counts = pyramid_schedule(layers, budget, params.beta, window.n_compress)
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        return [top(row, counts[li]) for row in s]
+
+    return rows_to_mask(window, kept)
+
+
+def adakv_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kvpress's ``AdaKVPress.compress``: safeguard each head's top ``int(m * alpha)``,
+    then prune the layer's global bottom ``H * (C - m)``."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        hkv, c = s.shape
+        n_safe = int(budget * params.floor)
+        s = s.clone()
+        for row in s:
+            row[row.topk(n_safe).indices] = torch.finfo(s.dtype).max
+        pruned = set((-s).flatten().topk(hkv * (c - budget)).indices.tolist())
+        return [[i for i in range(c) if h * c + i not in pruned] for h in range(hkv)]
+
+    return rows_to_mask(window, kept)
+
+
+def chunk_fill(token_scores: Tensor, chunk_scores: list[float], size: int, m: int) -> list[int]:
+    """Whole chunks by decreasing score (ties: earlier chunk) while they fit in m, then the
+    best tokens of the first chunk that does not fit."""
+    c = len(token_scores)
+    kept: list[int] = []
+    for chunk in sorted(range(len(chunk_scores)), key=lambda i: (-chunk_scores[i], i)):
+        tokens = list(range(chunk * size, min(c, (chunk + 1) * size)))
+        room = m - len(kept)
+        if len(tokens) <= room:
+            kept += tokens
+        else:
+            kept += sorted(tokens, key=lambda t: -float(token_scores[t]))[:room]
+            break
+    return sorted(kept)
+
+
+def chunk_means(scores: Tensor, size: int) -> list[float]:
+    """kvpress's chunk score: the mean of its tokens, the short last chunk included."""
+    return [float(scores[lo : lo + size].mean()) for lo in range(0, len(scores), size)]
+
+
+def chunkkv_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kvpress's ``ChunkKVPress``: token scores summed over the layer's heads, chunk
+    means, the same chunks for all heads; topped up to exactly m."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        layer = s.sum(0)
+        row = chunk_fill(layer, chunk_means(layer, params.chunk_size), params.chunk_size, budget)
+        return [row] * s.shape[0]
+
+    return rows_to_mask(window, kept)
+
+
+def chunkkv_head_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """The per-head variant: each head ranks chunks by the sum of its own scores."""
+    size = params.chunk_size
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        sums = [[float(row[lo : lo + size].sum()) for lo in range(0, len(row), size)] for row in s]
+        return [chunk_fill(row, chunk, size, budget) for row, chunk in zip(s, sums, strict=True)]
+
+    return rows_to_mask(window, kept)
+
+
+# ------------------------------------------------------------------------- R-KV
+
+
+def rkv_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """R-KV's ``R1KV.update_kv`` with ``compute_attention_scores(pooling="max")`` and
+    ``cal_similarity(threshold, retain_direction="last")``, per sequence and layer.
+
+    Its candidates, ``key_states[:, :, :-window_size]``, are our compressible keys; with
+    ``buffer == obs_window`` the code below is R-KV's line for line.
+    """
+    w, lam, kernel, threshold = params.obs_window, params.lam, params.pool_kernel, params.sim_threshold
+    c = window.n_compress
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        query_states = window.queries[bi, li, :, -w:]  # R-KV's query cache: the last w queries
+        key_states = window.keys[bi, li]
+        hq, _, d = query_states.shape
+        hkv, n = key_states.shape[:2]
+        assert n - w >= c, "no observation query inside the compressible area: R-KV needs no mask"
+        # compute_attention_scores: the group's logits, max-reduced before any softmax.
+        grouped = query_states.view(hkv, hq // hkv, w, d) @ key_states.unsqueeze(1).transpose(2, 3)
+        attn_weights = (grouped / math.sqrt(d)).max(dim=1).values  # [Hkv, w, N]
+        attn_sum = attn_weights[:, :, :c].softmax(-1).mean(dim=-2)
+        attn_cache = torch.stack([max_pool(row, kernel) for row in attn_sum])
+        # cal_similarity
+        k_norm = key_states / (key_states.norm(dim=-1, keepdim=True) + 1e-8)
+        similarity = k_norm @ k_norm.transpose(-1, -2)
+        for h in range(hkv):
+            similarity[h].fill_diagonal_(0.0)
+        indices = torch.where(similarity > threshold, torch.arange(n), torch.zeros(n, dtype=torch.long))
+        retain = indices.max(dim=-1).values
+        heads = torch.arange(hkv).unsqueeze(1).expand(hkv, n)
+        seqs = torch.arange(n).unsqueeze(0).expand(hkv, n)
+        similarity[heads, seqs, retain] = 0
+        redundancy = similarity.mean(dim=1).softmax(dim=-1)[:, :c]
+        final = attn_cache * lam - redundancy * (1 - lam)
+        return [top(row, budget) for row in final]
+
+    return rows_to_mask(window, kept)
+
+
+# ------------------------------------------------------------------ the others
+
+
+def h2o_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """Original H2O: causal attention summed (not averaged) over every query and head."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        q, k = window.queries[bi, li], window.keys[bi, li]
+        s = attention(q, k, causal=True).sum(1).view(k.shape[0], -1, k.shape[1]).sum(1)
+        return [top(row[: window.n_compress], budget) for row in s]
+
+    return rows_to_mask(window, kept)
+
+
+def streamingllm_reference(window: Window, budget: int, params: Any) -> Tensor:
+    c = window.n_compress
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        return [list(range(c - budget, c))] * window.keys.shape[2]
+
+    return rows_to_mask(window, kept)
+
+
+def exact(reference: Reference) -> Check:
+    def check(method: Method, window: Window, budget: int) -> None:
+        ours = kept_mask(method.select(window, budget), window.n_compress)
+        theirs = reference(window, budget, method.params)
+        layers, hkv = window.keys.shape[1:3]
+        assert theirs.sum((-1, -2, -3)).eq(layers * hkv * budget).all()  # the mean budget is m
+        differ = (ours != theirs).any(-1).nonzero().tolist()
+        assert not differ, f"{method.name}: kept sets differ from the reference at (b, l, h) {differ}"
+
+    return check
+
+
+def random_is_reproducible(method: Method, window: Window, budget: int) -> None:
+    """Same seeds, same sets; another sequence's seed changes only that sequence's draw."""
+
+    def draw(seeds: tuple[int, ...]) -> Tensor:
+        w = Window(window.queries, window.keys, window.n_compress, seeds)
+        return kept_mask(method.select(w, budget), window.n_compress)
+
+    first = draw((11, 12))
+    assert torch.equal(first, draw((11, 12)))
+    other = draw((11, 13))
+    assert torch.equal(first[0], other[0])
+    if budget < window.n_compress:
+        assert not torch.equal(first[1], other[1])
+        # Rows of one draw differ from each other too: each (layer, head) draws its own.
+        rows = first[1].flatten(0, 1)
+        assert any(not torch.equal(rows[0], row) for row in rows[1:])
+
+
+REFERENCES: dict[str, Check] = {
+    "kara": exact(kara_reference(causal=False, chunks=True)),
+    "kara-causal": exact(kara_reference(causal=True, chunks=True)),
+    "kara-topk": exact(kara_reference(causal=False, chunks=False)),
+    "snapkv": exact(snapkv_reference),
+    "pyramidkv": exact(pyramidkv_reference),
+    "adakv": exact(adakv_reference),
+    "chunkkv": exact(chunkkv_reference),
+    "chunkkv-head": exact(chunkkv_head_reference),
+    "rkv": exact(rkv_reference),
+    "h2o": exact(h2o_reference),
+    "streamingllm": exact(streamingllm_reference),
+    "random": random_is_reproducible,
+}
+
+BUFFER = 16
+# kvpress's set is exactly ours while the observation window is the buffer.
+SNAP = {"obs_window": BUFFER}
+PARAMS: Mapping[str, Mapping[str, Any]] = {
+    name: SNAP for name in ("snapkv", "pyramidkv", "adakv", "chunkkv", "chunkkv-head")
+}
+
+
+def build(name: str, params: Mapping[str, Any], window: Window) -> Method:
+    cls = method_class(name)
+    buffer = window.keys.shape[3] - window.n_compress
+    return cls(cls.resolve(params, window.n_compress, buffer))
+
+
+def test_every_registered_method_has_a_reference() -> None:
+    assert set(REFERENCES) == set(available())
+
+
+@pytest.mark.parametrize("budget", [1, 5, 13, 30, 48])
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_selection_matches_reference(name: str, budget: int) -> None:
+    window = make_window(BUFFER, seed=budget)
+    REFERENCES[name](build(name, PARAMS.get(name, {}), window), window, budget)
+
+
+@pytest.mark.parametrize("budget", [5, 13, 30])
+def test_rkv_is_r_kv_verbatim_when_the_buffer_is_its_window(budget: int) -> None:
+    """``buffer == obs_window == 8``: the span is R-KV's cache, the candidates its non-window keys."""
+    window = make_window(8, seed=100 + budget)
+    REFERENCES["rkv"](build("rkv", {}, window), window, budget)
+
+
+def test_rkv_with_its_knobs_moved() -> None:
+    window = make_window(24, seed=7)
+    params = {"lam": 0.5, "obs_window": 16, "pool_kernel": 3, "sim_threshold": 0.2}
+    REFERENCES["rkv"](build("rkv", params, window), window, 20)
+
+
+@pytest.mark.parametrize("name", ["chunkkv", "chunkkv-head"])
+@pytest.mark.parametrize(("chunk_size", "budget"), [(7, 10), (16, 32), (48, 20), (1, 9)])
+def test_chunk_references_at_other_chunk_sizes(name: str, chunk_size: int, budget: int) -> None:
+    window = make_window(BUFFER, seed=chunk_size)
+    method = build(name, {**SNAP, "chunk_size": chunk_size}, window)
+    REFERENCES[name](method, window, budget)
