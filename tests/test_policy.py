@@ -26,7 +26,7 @@ def _simulate(cfg: CompressionConfig, prompt: int, steps: int) -> tuple[SeqState
     for step in range(1, steps + 1):
         slots.append(prompt + step - 1)
         state.append()
-        region = policy.plan(state, step)
+        region = policy.plan(state)
         if region is None:
             continue
         rounds.append(step)

@@ -26,6 +26,7 @@ def run_one(system: str, model: str, n: int, tokens: int) -> dict:
     from vllm import SamplingParams
 
     from kvllm import CompressionConfig
+    from kvllm.vllm.engine import block_pool_usage, scheduler_of
     from kvllm.vllm.llm import LLM
 
     kwargs = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "gpu_memory_utilization": 0.3}
@@ -38,8 +39,7 @@ def run_one(system: str, model: str, n: int, tokens: int) -> dict:
         llm = LLM(model, compression=CompressionConfig(window=128, buffer=32, period=16, retention=retention), **kwargs)
         engine = llm.llm
     startup = time.perf_counter() - t0
-    sched = engine.llm_engine.engine_core.engine_core.scheduler
-    pool = sched.kv_cache_manager.block_pool
+    sched = scheduler_of(engine)
     prompts = [f"let v{i} = {i % 100} and v{i + 1} = {(7 * i) % 100}, then compute the sum of v{i}" for i in range(n)]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     eng = engine.llm_engine
@@ -51,7 +51,7 @@ def run_one(system: str, model: str, n: int, tokens: int) -> dict:
         for out in eng.step():
             if out.finished:
                 produced += len(out.outputs[0].token_ids)
-        peak = max(peak, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+        peak = max(peak, block_pool_usage(sched)[0])
     wall = time.perf_counter() - t1
     return {"system": system, "tok_s": produced / wall, "startup_s": startup, "peak_blocks": peak}
 

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt
+from rich.table import Table
 
 from kvllm.bench.throughput import SYSTEMS, UNCOMPRESSED
 
@@ -179,3 +180,23 @@ def plot_usage(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def summary_rich(summary: dict[str, Any]) -> Table:
+    """The summary's cells as one rich table (tok/s means, ratios within repeats)."""
+    table = Table(title="output tok/s (mean of repeats) and ratio to vanilla (within repeats)")
+    for col in ("pool", "concurrency", "system", "tok/s", "x vanilla", "preempt", "rounds", "compress %"):
+        table.add_column(col, justify="right")
+    for c in summary["cells"]:
+        ratio = "" if c["ratio_to_vanilla"] is None else f"{c['ratio_to_vanilla']:.2f}"
+        table.add_row(
+            str(c["pool_blocks"]),
+            str(c["concurrency"]),
+            c["system"],
+            f"{c['tok_s_mean']:.0f}",
+            ratio,
+            f"{c['preemptions']:.0f}",
+            f"{c['rounds']:.0f}",
+            f"{100 * c['compress_share']:.1f}",
+        )
+    return table

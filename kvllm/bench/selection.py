@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from rich.table import Table
 
 from kvllm.config import CompressionConfig
 from kvllm.methods import Window, build
@@ -52,3 +53,17 @@ def time_selection(
         method.select(window, config.budget)
         times.append((time.perf_counter() - start) * 1e3)
     return SelectionTiming(config.method, statistics.median(times), min(times), max(times), repeats)
+
+
+def timing_table(timings: list[SelectionTiming], window: int, buffer: int, shape: dict[str, int], batch: int) -> Table:
+    """The timings as a rich table, titled with the shape they were measured on."""
+    title = (
+        f"selection of one window: W={window}, b={buffer}, {shape['layers']} layers, "
+        f"{shape['heads']}q/{shape['kv_heads']}kv heads (torch threads: {torch.get_num_threads()})"
+    )
+    table = Table(title=title)
+    for col in ("method", "batch", "median ms", "min ms", "max ms"):
+        table.add_column(col, justify="right")
+    for t in timings:
+        table.add_row(t.method, str(batch), f"{t.median_ms:.1f}", f"{t.min_ms:.1f}", f"{t.max_ms:.1f}")
+    return table

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -156,20 +157,9 @@ def _engine(spec: Spec) -> Any:
     return LLM(spec.model, compression=spec.config(), **kwargs).llm
 
 
-def _count_preemptions(scheduler: Any) -> list[int]:
-    """Wrap the scheduler's preemption so vanilla vLLM's are counted too."""
-    count = [0]
-    inner = scheduler._preempt_request
-
-    def preempt(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return inner(*args, **kwargs)
-
-    scheduler._preempt_request = preempt
-    return count
-
-
-def run_cell(llm: Any, scheduler: Any, preemptions: list[int], spec: Spec, concurrency: int) -> dict[str, Any]:
+def serve_cell(
+    llm: Any, scheduler: Any, preemptions: Callable[[], int], spec: Spec, concurrency: int
+) -> dict[str, Any]:
     """Serve one cell: keep ``concurrency`` requests in flight until all have finished."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -180,11 +170,11 @@ def run_cell(llm: Any, scheduler: Any, preemptions: list[int], spec: Spec, concu
     params = SamplingParams(
         max_tokens=w.output_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
     )
+    from kvllm.vllm.engine import block_pool_usage, running_requests
+
     engine = llm.llm_engine
-    pool = scheduler.kv_cache_manager.block_pool
-    usable = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
     kv0 = scheduler.kv_stats() if hasattr(scheduler, "kv_stats") else {}
-    pre0 = preemptions[0]
+    pre0 = preemptions()
     added, produced, peak_running, steps = 0, 0, 0, 0
     first: dict[str, float] = {}
     tpot: list[float] = []
@@ -214,9 +204,9 @@ def run_cell(llm: Any, scheduler: Any, preemptions: list[int], spec: Spec, concu
                 if total > 1:
                     tpot.append((now - first.pop(out.request_id)) / (total - 1))
                 submitted.pop(out.request_id)
-        peak_running = max(peak_running, len(scheduler.running))
-        used = usable - pool.get_num_free_blocks()
-        usage.append((round(now - start, 4), round(used / usable, 4), len(scheduler.running)))
+        peak_running = max(peak_running, running_requests(scheduler))
+        used, usable = block_pool_usage(scheduler)
+        usage.append((round(now - start, 4), round(used / usable, 4), running_requests(scheduler)))
     wall = time.perf_counter() - start
     kv1 = scheduler.kv_stats() if hasattr(scheduler, "kv_stats") else {}
     compress_s = kv1.get("compress_seconds", 0.0) - kv0.get("compress_seconds", 0.0)
@@ -232,7 +222,7 @@ def run_cell(llm: Any, scheduler: Any, preemptions: list[int], spec: Spec, concu
         "mean_tpot_ms": round(1e3 * sum(tpot) / max(1, len(tpot)), 3),
         "mean_ttft_s": round(sum(ttft) / max(1, len(ttft)), 4),
         "peak_running": peak_running,
-        "preemptions": preemptions[0] - pre0,
+        "preemptions": preemptions() - pre0,
         "rounds": kv1.get("rounds", 0) - kv0.get("rounds", 0),
         "compress_seconds": round(compress_s, 4),
         "compress_share": round(compress_s / wall, 5),
@@ -247,16 +237,18 @@ def run(spec: Spec) -> None:
     """Start the engine, warm it up, then print one JSON line per concurrency cell."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler must be readable
     started = time.perf_counter()
+    from kvllm.vllm.engine import count_preemptions, scheduler_of
+
     llm = _engine(spec)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    preemptions = _count_preemptions(scheduler)
+    scheduler = scheduler_of(llm)
+    preemptions = count_preemptions(scheduler)
     from vllm import SamplingParams
 
     # One short untimed request: first-step allocations and lazy imports.
     llm.generate(_prompts(2, spec.workload.prompt_steps), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     startup = time.perf_counter() - started
     for c in spec.concurrency:
-        row = run_cell(llm, scheduler, preemptions, spec, c)
+        row = serve_cell(llm, scheduler, preemptions, spec, c)
         row["startup_seconds"] = round(startup, 2)
         print("KVLLM_BENCH " + json.dumps(row), flush=True)
 

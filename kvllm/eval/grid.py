@@ -18,19 +18,7 @@ from kvllm.config import CompressionConfig
 from kvllm.eval.problems import Problem
 
 FULL = "full"
-DEFAULT_METHODS = (
-    "kara",
-    "kara-causal",
-    "kara-topk",
-    "snapkv",
-    "pyramidkv",
-    "adakv",
-    "chunkkv",
-    "streamingllm",
-    "h2o",
-    "rkv",
-    "random",
-)
+# Methods default to every registered one (kvllm.methods.available()).
 DEFAULT_RETENTIONS = (0.1, 0.2, 0.3, 0.5, 1.0)
 
 
@@ -73,7 +61,7 @@ def load_results(path: Path) -> dict[tuple[str, float, str], CellResult]:
     return results
 
 
-def run_cell(
+def run_accuracy_cell(
     model,
     tokenizer,
     problems: Sequence[Problem],
@@ -142,7 +130,7 @@ def run_grid(
         config = None if method == FULL else base.replace(method=method, retention=retention)
         name = f"{method} r={retention} {family}"
         start = time.perf_counter()
-        correct, lengths, kept = run_cell(
+        correct, lengths, kept = run_accuracy_cell(
             model,
             tokenizer,
             problems[family],

@@ -10,8 +10,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt
+from rich.table import Table
 
-from kvllm.eval.runner import FULL, CellResult
+from kvllm.eval.grid import FULL, CellResult
 
 
 def accuracy_table(results: Sequence[CellResult]) -> dict[str, dict[str, dict[float, float]]]:
@@ -78,3 +79,18 @@ def plot_accuracy(results: Sequence[CellResult], path: Path, title: str = "") ->
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def accuracy_rich(results: Sequence[CellResult]) -> Table:
+    """The grid as one rich table: a row per (family, method), a column per retention."""
+    table = accuracy_table(results)
+    points = sorted({p for family in table.values() for curve in family.values() for p in curve})
+    out = Table(title="accuracy (%)")
+    out.add_column("family")
+    out.add_column("method")
+    for p in points:
+        out.add_column(f"r={p:g}", justify="right")
+    for family in _families(table):
+        for method, curve in sorted(table[family].items()):
+            out.add_row(family, method, *(f"{100 * curve[p]:.1f}" if p in curve else "-" for p in points))
+    return out

@@ -1,6 +1,7 @@
-"""The reference backend: Kara on transformers model code (DESIGN.md §1)."""
+"""The reference backend: compression on transformers model code (docs/design.md, "Layers")."""
 
-from kvllm.hf.cache import KaraCache, SeqStats
-from kvllm.hf.generate import Generation, generate
+from kvllm.generation import Generation, SeqStats
+from kvllm.hf.cache import CompressingCache
+from kvllm.hf.generate import generate
 
-__all__ = ["Generation", "KaraCache", "SeqStats", "generate"]
+__all__ = ["CompressingCache", "Generation", "SeqStats", "generate"]

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 
-from kvllm.hf.cache import KaraCache
+from kvllm.hf.cache import CompressingCache
 
 NAME = "kvllm"
 
@@ -26,12 +26,12 @@ def kvllm_attention(
     attention_mask: Tensor | None,
     scaling: float,
     dropout: float = 0.0,
-    kvllm_cache: KaraCache | None = None,
+    kvllm_cache: CompressingCache | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, Tensor]:
-    """Eager attention over a :class:`KaraCache` layer; ``attention_mask`` is unused."""
+    """Eager attention over a :class:`CompressingCache` layer; ``attention_mask`` is unused."""
     if kvllm_cache is None:
-        raise RuntimeError("kvllm attention needs the KaraCache passed as `kvllm_cache=`")
+        raise RuntimeError("kvllm attention needs the CompressingCache passed as `kvllm_cache=`")
     layer = kvllm_cache.layers[module.layer_idx]
     layer.capture(query)
     groups = module.num_key_value_groups

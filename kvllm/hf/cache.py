@@ -3,7 +3,7 @@
 Each layer keeps physical K/V ``[B, Hkv, N, D]``, a validity mask ``[B, Hkv, N]``
 (left padding, and the slots a variable-budget method drops by masking) and a ring of
 the last W + b + P post-RoPE queries, filled by :mod:`kvllm.hf.attention`. After every
-decode step :meth:`KaraCache.end_step` asks the policy for a region, the method for
+decode step :meth:`CompressingCache.end_step` asks the policy for a region, the method for
 kept indices, and compacts every layer.
 
 Rows of a batch are left-padded to one prompt length, so their tails grow together and
@@ -15,30 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 
-from kvllm.compaction import compact
 from kvllm.config import CompressionConfig
-from kvllm.methods import Window, build
+from kvllm.generation import SeqStats
+from kvllm.hf.compaction import compact
+from kvllm.methods import Window, build, stream_seed
 from kvllm.policy import Region, SeqState, build_policy
-
-
-@dataclass(frozen=True)
-class SeqStats:
-    """Cache statistics of one generated sequence.
-
-    ``compress_seconds`` is the sequence's even share of its batch's compression time.
-    """
-
-    logical_length: int
-    physical_length: int
-    compressions: int
-    compress_seconds: float
 
 
 class CompressedLayer(DynamicLayer):
@@ -83,7 +70,7 @@ class CompressedLayer(DynamicLayer):
         return bias.repeat_interleave(groups, dim=1) if groups > 1 else bias
 
 
-class KaraCache(Cache):
+class CompressingCache(Cache):
     """Compressing KV cache for the reference backend.
 
     Parameters
@@ -94,10 +81,17 @@ class KaraCache(Cache):
         What to compress, when, and how much. ``None`` never compresses.
     pad_lengths
         Left padding of each row of the batch.
+    prompt_ids
+        Each row's prompt token ids (without padding): with the round, they seed a
+        method's random draws (:func:`~kvllm.methods.stream_seed`) as vLLM's do.
     """
 
     def __init__(
-        self, model_config: PretrainedConfig, config: CompressionConfig | None, pad_lengths: list[int]
+        self,
+        model_config: PretrainedConfig,
+        config: CompressionConfig | None,
+        pad_lengths: list[int],
+        prompt_ids: list[list[int]] | None = None,
     ) -> None:
         ring = config.query_buffer_len if config is not None else 1
         super().__init__(layers=[CompressedLayer(ring) for _ in range(model_config.num_hidden_layers)])
@@ -105,8 +99,8 @@ class KaraCache(Cache):
         self.method = build(config) if config is not None else None
         self.policy = build_policy(config) if config is not None else None
         self.pad_lengths = pad_lengths
+        self.prompt_ids = prompt_ids if prompt_ids is not None else [[] for _ in pad_lengths]
         self.state: SeqState | None = None
-        self.step = 0
         self.compress_seconds = 0.0
 
     def begin_step(self, token_valid: Tensor) -> None:
@@ -121,10 +115,9 @@ class KaraCache(Cache):
             self.state = SeqState(prompt_len=q_len)
             return
         self.state.append(q_len)
-        self.step += 1
         if self.policy is None:
             return
-        region = self.policy.plan(self.state, self.step)
+        region = self.policy.plan(self.state)
         if region is not None:
             t0 = time.perf_counter()
             self._compress(region)
@@ -142,6 +135,7 @@ class KaraCache(Cache):
             queries=torch.stack([layer.queries[:, :, slots] for layer in self.layers], dim=1),
             keys=torch.stack([layer.keys[:, :, span] for layer in self.layers], dim=1),
             n_compress=region.n_compress,
+            seeds=tuple(stream_seed(ids, state.rounds) for ids in self.prompt_ids),
         )
         selection = self.method.select(window, region.budget)
         for i, layer in enumerate(self.layers):

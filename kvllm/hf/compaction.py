@@ -1,7 +1,9 @@
-"""Compaction of KV storage: keep selected slots of a region and close the gap.
+"""Compaction of the reference backend's KV storage: keep selected slots of a region
+and close the gap.
 
-Backend-neutral tensor code: the reference backend applies it to whole per-layer
-tensors, and it is the specification the paged engine's block-level rewrite must match.
+It works on whole per-layer tensors; the paged engine's block-level rewrite
+(:mod:`kvllm.vllm.runner`) must produce the same slot order, which the hf-vs-vLLM
+differential tests check.
 """
 
 from __future__ import annotations

@@ -9,24 +9,15 @@ holds fewer slots. Positions follow ``model.generate``'s rule for left padding
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvllm.config import CompressionConfig
+from kvllm.generation import Generation, SeqStats
 from kvllm.hf import attention
-from kvllm.hf.cache import KaraCache, SeqStats
-
-
-@dataclass(frozen=True)
-class Generation:
-    """The result of :func:`generate`, one entry per prompt."""
-
-    texts: list[str]
-    token_ids: list[list[int]]
-    stats: list[SeqStats]
+from kvllm.hf.cache import CompressingCache
 
 
 def _next_tokens(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
@@ -82,7 +73,8 @@ def generate(
     input_ids = enc["input_ids"].to(device)
     mask = enc["attention_mask"].to(device)
     pad_lengths = (mask.shape[1] - mask.sum(1)).tolist()
-    cache = KaraCache(model.config, config, pad_lengths)
+    prompt_ids = [row[pad:] for row, pad in zip(input_ids.tolist(), pad_lengths, strict=True)]
+    cache = CompressingCache(model.config, config, pad_lengths, prompt_ids)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     eos = tokenizer.eos_token_id if stop_at_eos else None
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -6,31 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvllm.config import CompressionConfig
-from kvllm.vllm.settings import KEY, as_additional_config, check_paged, request_config
-
-SCHEDULER = "kvllm.vllm.scheduler.KaraScheduler"
-
-
-def engine_kwargs(compression: CompressionConfig | None, vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """vLLM engine arguments that load KvLLM with ``compression`` (or none)."""
-    kwargs = dict(vllm_kwargs)
-    kwargs.setdefault("scheduler_cls", SCHEDULER)
-    if compression is None:
-        return kwargs
-    check_paged(compression)
-    if kwargs.get("enable_prefix_caching"):
-        raise ValueError(
-            "enable_prefix_caching=True is invalid with KV compression: compacted blocks must never be shared"
-        )
-    kwargs["enable_prefix_caching"] = False
-    block_size = kwargs.setdefault("block_size", compression.block_size)
-    if compression.window % block_size:
-        raise ValueError(
-            f"CompressionConfig.window={compression.window} is invalid: must be a positive multiple of "
-            f"vLLM's block_size={block_size}"
-        )
-    kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), **as_additional_config(compression)}
-    return kwargs
+from kvllm.generation import Generation, SeqStats
+from kvllm.vllm.settings import KEY, engine_kwargs, request_config
 
 
 class LLM:
@@ -43,14 +20,16 @@ class LLM:
     compression
         Engine-wide compression; ``None`` loads the plugin with compression off.
     **vllm_kwargs
-        Any ``vllm.LLM`` argument.
+        Any ``vllm.LLM`` argument; :func:`~kvllm.vllm.settings.engine_kwargs` adds
+        KvLLM's scheduler, block size and ``additional_config``.
     """
 
     def __init__(self, model: str, compression: CompressionConfig | None = None, **vllm_kwargs: Any) -> None:
         import vllm
 
+        kwargs = engine_kwargs(compression, vllm_kwargs)
         self.compression = compression
-        self.llm = vllm.LLM(model, **engine_kwargs(compression, vllm_kwargs))
+        self.llm = vllm.LLM(model, **kwargs)
 
     def generate(self, prompts: Sequence[Any], sampling_params: Any = None, **kwargs: Any) -> list[Any]:
         """``vllm.LLM.generate``; each output also gets ``.compression`` (a stats dict or None).
@@ -66,3 +45,48 @@ class LLM:
         for out in outputs:
             out.compression = (out.kv_transfer_params or {}).get(KEY)
         return outputs
+
+
+def generate(
+    model: str,
+    prompts: Sequence[str],
+    config: CompressionConfig | None,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+    **vllm_kwargs: Any,
+) -> Generation:
+    """Generate continuations of ``prompts`` inside vLLM: ``kvllm.hf.generate``'s twin.
+
+    The engine runs in fp32 with eager execution unless ``vllm_kwargs`` say otherwise.
+    """
+    from vllm import SamplingParams
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
+    kwargs = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "seed": seed, **vllm_kwargs}
+    llm = LLM(model, compression=config, **kwargs)
+    params = SamplingParams(
+        max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=not stop_at_eos
+    )
+    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    stats = []
+    for out in outputs:
+        s = out.compression or {}
+        logical = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
+        stats.append(
+            SeqStats(
+                logical_length=s.get("logical_length", logical),
+                physical_length=s.get("physical_length", logical),
+                compressions=s.get("compressions", 0),
+                compress_seconds=s.get("compress_seconds", 0.0),
+            )
+        )
+    return Generation(
+        texts=[o.outputs[0].text for o in outputs],
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
+        stats=stats,
+    )

@@ -14,6 +14,7 @@ class Compaction:
 
     ``length`` is the request's physical slot count before the round and ``dropped``
     the slots removed before it (tail slot ``p`` holds logical token ``p + dropped``).
+    ``seed`` is the round's random-stream key (:func:`kvllm.methods.stream_seed`).
     """
 
     req_id: str
@@ -21,6 +22,7 @@ class Compaction:
     config: CompressionConfig
     length: int
     dropped: int
+    seed: int = 0
 
 
 @dataclass

@@ -25,9 +25,9 @@ def register() -> None:
     from vllm.v1.worker import cpu_worker
 
     from kvllm.vllm import server
-    from kvllm.vllm.runner import KaraCPUModelRunner
+    from kvllm.vllm.runner import CompressingCPUModelRunner
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "kvllm.vllm.capture.CapturingCPUAttentionBackend")
-    cpu_worker.CPUModelRunner = KaraCPUModelRunner
+    cpu_worker.CPUModelRunner = CompressingCPUModelRunner
     if os.environ.get(server.ENV):  # started by `kvllm serve`
         server.install_metrics()

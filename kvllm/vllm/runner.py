@@ -1,6 +1,6 @@
 """The worker side of KvLLM: physical slots, query capture, and compaction.
 
-``KaraCPUModelRunner`` extends vLLM's ``CPUModelRunner`` (the plugin swaps it in inside
+``CompressingCPUModelRunner`` extends vLLM's ``CPUModelRunner`` (the plugin swaps it in inside
 the worker process). Without a ``kvllm`` engine config it behaves exactly like its base.
 With one, each step it:
 
@@ -33,7 +33,7 @@ from kvllm.vllm.plan import Compaction, StepPlan
 from kvllm.vllm.settings import engine_config
 
 
-class KaraCPUModelRunner(CPUModelRunner):
+class CompressingCPUModelRunner(CPUModelRunner):
     """``CPUModelRunner`` with KV compaction and logical/physical lengths."""
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
@@ -170,7 +170,12 @@ class KaraCPUModelRunner(CPUModelRunner):
             k = paged.read(layer.kv_cache, span_slots.flatten())[0]  # [Hkv, B * span, D]
             keys.append(k.unflatten(1, (b, span)).transpose(0, 1))
             queries.append(q[ring_slots, positions].permute(0, 2, 1, 3))  # [B, Hq, nq, D]
-        window = Window(queries=torch.stack(queries, dim=1), keys=torch.stack(keys, dim=1), n_compress=n_compress)
+        window = Window(
+            queries=torch.stack(queries, dim=1),
+            keys=torch.stack(keys, dim=1),
+            n_compress=n_compress,
+            seeds=tuple(c.seed for c in group),
+        )
         kept = build(config).select(window, budget).indices  # [B, L, Hkv, m]
         self._rewrite(group, kept, tables, bs)
 

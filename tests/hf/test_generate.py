@@ -8,6 +8,7 @@ from transformers import PreTrainedTokenizerFast
 
 from kvllm import CompressionConfig
 from kvllm.hf import generate
+from kvllm.methods import available, method_class
 from kvllm.policy import PeriodicWindowPolicy, SeqState
 from kvllm.testing import model_config, random_model
 
@@ -65,7 +66,7 @@ def _dropped_mask(prompt: int, steps: int, cfg: CompressionConfig) -> torch.Tens
     for step in range(1, steps):
         slots.append(prompt + step - 1)
         state.append()
-        region = policy.plan(state, step)
+        region = policy.plan(state)
         if region is None:
             continue
         area = slots[region.start : region.start + region.n_compress]
@@ -101,7 +102,7 @@ def test_compressed_generation_matches_masked_full_attention(tokenizer, arch: st
     assert logits[p - 1 :].argmax(-1).tolist() == got.token_ids[0]
 
 
-@pytest.mark.parametrize("method", ["kara", "snapkv", "adakv", "pyramidkv", "rkv"])
+@pytest.mark.parametrize("method", available())
 def test_lengths_after_compression(tokenizer, method: str) -> None:
     model = _model(tokenizer, "qwen3", 4, 2)
     cfg = CompressionConfig(method=method, window=32, buffer=8, period=4, retention=0.25)
@@ -113,7 +114,7 @@ def test_lengths_after_compression(tokenizer, method: str) -> None:
         assert stats.logical_length == len(ids) + n - 1
         kept = stats.compressions * cfg.budget
         tail = n - 1 - stats.compressions * cfg.window
-        if method in ("kara", "snapkv", "rkv"):
+        if method_class(method).uniform:
             assert stats.physical_length == len(ids) + kept + tail
         else:  # variable budgets are padded to the widest (head, layer) and masked
             assert stats.physical_length >= len(ids) + kept + tail
@@ -121,28 +122,28 @@ def test_lengths_after_compression(tokenizer, method: str) -> None:
 
 
 def test_prompt_is_never_touched(tokenizer) -> None:
-    from kvllm.hf.cache import KaraCache
+    from kvllm.hf.cache import CompressingCache
 
     model = _model(tokenizer, "qwen3", 4, 2)
     cfg = CompressionConfig(method="kara", window=32, buffer=8, period=4, retention=0.25)
     enc = tokenizer(PROMPTS[:1], return_tensors="pt")
-    seen: list[KaraCache] = []
-    original_end = KaraCache.end_step
+    seen: list[CompressingCache] = []
+    original_end = CompressingCache.end_step
 
-    def spy(self: KaraCache) -> None:
+    def spy(self: CompressingCache) -> None:
         if not seen:
             seen.append(self)
         original_end(self)
 
     prompt_keys = None
-    KaraCache.end_step = spy
+    CompressingCache.end_step = spy
     try:
         generate(model, tokenizer, PROMPTS[:1], cfg, 1, stop_at_eos=False)
         prompt_keys = seen[0].layers[1].keys.clone()
         seen.clear()
         got = generate(model, tokenizer, PROMPTS[:1], cfg, 120, stop_at_eos=False)
     finally:
-        KaraCache.end_step = original_end
+        CompressingCache.end_step = original_end
     p = enc["input_ids"].shape[1]
     assert got.stats[0].compressions > 0
     assert torch.equal(seen[0].layers[1].keys[:, :, :p], prompt_keys[:, :, :p])

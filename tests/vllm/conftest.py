@@ -16,6 +16,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from kvllm.config import CompressionConfig
 from kvllm.testing import save_tiny_model
+from kvllm.vllm.engine import shutdown
 
 # CPU attention needs a head dim that is a multiple of 32 (the "vec" ISA).
 SHAPE = {"hidden_size": 128, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 32}
@@ -47,22 +48,9 @@ def engine(model: str, compression: CompressionConfig | None, plugin: bool = Tru
     try:
         yield llm
     finally:
-        inner = llm.llm if plugin else llm
-        inner.llm_engine.engine_core.shutdown()
-        del llm, inner
+        shutdown(llm)
+        del llm
         gc.collect()
-
-
-def core(llm: Any) -> Any:
-    return llm.llm.llm_engine.engine_core.engine_core
-
-
-def scheduler(llm: Any) -> Any:
-    return core(llm).scheduler
-
-
-def runner(llm: Any) -> Any:
-    return core(llm).model_executor.driver_worker.worker.model_runner
 
 
 def token_ids(outputs: list[Any]) -> list[list[int]]:

@@ -10,7 +10,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvllm.config import CompressionConfig
 from kvllm.hf import generate as hf_generate
-from tests.vllm.conftest import PROMPTS, engine, greedy, runner, scheduler, token_ids
+from kvllm.vllm.engine import block_pool_usage, running_requests
+from kvllm.vllm.engine import runner_of as runner
+from kvllm.vllm.engine import scheduler_of as scheduler
+from tests.vllm.conftest import PROMPTS, engine, greedy, token_ids
 
 KEEP_ALL = CompressionConfig(window=32, buffer=8, period=4, retention=1.0)
 KARA = CompressionConfig(window=32, buffer=8, period=4, retention=0.2)
@@ -21,11 +24,8 @@ def _step_all(llm: Any, prompts: list[str], params: Any, abort_at: dict[int, int
 
     Returns the outputs, the peak KV blocks in use, and the running requests per step.
     """
-    inner = llm.llm
-    eng = inner.llm_engine
+    eng = getattr(llm, "llm", llm).llm_engine
     sched = scheduler(llm)
-    pool = sched.kv_cache_manager.block_pool
-    usable = pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, params)
     outputs: dict[str, Any] = {}
@@ -36,8 +36,8 @@ def _step_all(llm: Any, prompts: list[str], params: Any, abort_at: dict[int, int
             if out.finished:
                 outputs[out.request_id] = out
         step += 1
-        peak_blocks = max(peak_blocks, usable - pool.get_num_free_blocks())
-        running.append(len(sched.running))
+        peak_blocks = max(peak_blocks, block_pool_usage(sched)[0])
+        running.append(running_requests(sched))
         for i, at in (abort_at or {}).items():
             if at == step:
                 eng.abort_request([str(i)])  # the external id
@@ -64,10 +64,11 @@ def test_keep_all_matches_vanilla_under_preemption(tiny_model: str) -> None:
     assert got == expected
 
 
-def test_vllm_path_selects_like_the_hf_reference(tiny_model: str) -> None:
-    """fp32, Kara at retention 0.25. Period 1 makes both backends compress at the same
-    decode step (the engine's period counts engine steps, the reference's its own)."""
-    config = CompressionConfig(window=32, buffer=8, period=1, retention=0.25)
+@pytest.mark.parametrize(("method", "period"), [("kara", 1), ("kara", 16), ("snapkv", 16), ("random", 4)])
+def test_vllm_path_selects_like_the_hf_reference(tiny_model: str, method: str, period: int) -> None:
+    """fp32, retention 0.25: both backends count P in a sequence's own decode steps, so
+    they compress at the same tokens, and draw the same random indices, whatever P."""
+    config = CompressionConfig(method=method, window=32, buffer=8, period=period, retention=0.25)
     prompts = PROMPTS[:6]
     with engine(tiny_model, config) as llm:
         got = llm.generate(prompts, greedy(150))
@@ -75,14 +76,14 @@ def test_vllm_path_selects_like_the_hf_reference(tiny_model: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
     for prompt, out in zip(prompts, got, strict=True):
         ref = hf_generate(model, tok, [prompt], config, 150, stop_at_eos=False)
-        assert out.compression["compressions"] == ref.stats[0].compressions >= 3
+        assert out.compression["compressions"] == ref.stats[0].compressions >= 2
         assert list(out.outputs[0].token_ids) == ref.token_ids[0]
 
 
 def test_memory_is_really_freed(tiny_model: str) -> None:
     params = greedy(200)
     with engine(tiny_model, None, plugin=False) as vanilla:
-        full = _step_all(_Wrap(vanilla), PROMPTS[:16], params)
+        full = _step_all(vanilla, PROMPTS[:16], params)
     with engine(tiny_model, KARA) as llm:
         kara = _step_all(llm, PROMPTS[:16], params)
     # Kara keeps 1/5 of each 32-token window: well under the full cache.
@@ -93,7 +94,7 @@ def test_more_requests_run_concurrently_under_a_small_pool(tiny_model: str) -> N
     small = {"num_gpu_blocks_override": 40}
     params = greedy(240)
     with engine(tiny_model, None, plugin=False, **small) as vanilla:
-        full = _step_all(_Wrap(vanilla), PROMPTS, params)
+        full = _step_all(vanilla, PROMPTS, params)
     with engine(tiny_model, KARA, **small) as llm:
         kara = _step_all(llm, PROMPTS, params)
     # Time-averaged concurrency: freed blocks keep more requests decoding at once, so
@@ -109,9 +110,8 @@ def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str) -> None
         sched, run = scheduler(llm), runner(llm)
         # The scheduler's reported buffer size is the worker's real one.
         assert sched.kv_stats()["query_buffer_bytes_per_request"] == run.kv_ring.bytes_per_request
-        pool = sched.kv_cache_manager.block_pool
         assert sched.kv_totals.preemptions > 0 and sched.kv_totals.rounds > 0
-        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        assert block_pool_usage(sched)[0] == 0
         assert sched.kv_requests == {}
         # The worker releases per-request buffers when it hears of finishes and aborts,
         # with the next step: run one empty step to deliver the last notices.
@@ -198,13 +198,6 @@ def test_scheduler_rejects_prefix_caching_when_configured_directly(tiny_model: s
             max_model_len=512,
             gpu_memory_utilization=0.3,
             enable_prefix_caching=True,
-            scheduler_cls="kvllm.vllm.scheduler.KaraScheduler",
+            scheduler_cls="kvllm.vllm.scheduler.CompressingScheduler",
             additional_config=as_additional_config(KARA),
         )
-
-
-class _Wrap:
-    """Gives a plain ``vllm.LLM`` the ``.llm`` attribute of our wrapper."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm

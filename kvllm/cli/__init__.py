@@ -1,0 +1,28 @@
+"""The ``kvllm`` command: parses flags, calls the package, prints what it returns.
+
+One module per command; shared flags and helpers in :mod:`kvllm.cli.options`.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from kvllm.cli.bench import bench_selection, bench_throughput
+from kvllm.cli.evaluate import evaluate
+from kvllm.cli.generate import generate
+from kvllm.cli.serve import serve
+
+app = typer.Typer(help="KvLLM: reasoning-LLM serving with Kara KV-cache compression.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks (speed targets live here, not in unit tests).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+app.command()(generate)
+app.command("eval")(evaluate)
+# Unknown flags pass through to vLLM.
+app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
+bench_app.command("selection")(bench_selection)
+bench_app.command("throughput")(bench_throughput)
+
+
+@app.callback()
+def main() -> None:
+    """KvLLM command line."""

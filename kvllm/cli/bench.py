@@ -1,0 +1,96 @@
+"""``kvllm bench``: selection timing and the throughput sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvllm.bench.shapes import SHAPES
+from kvllm.cli.options import (
+    ALL_SYSTEMS,
+    CONCURRENCY,
+    METHODS,
+    POOLS,
+    Buffer,
+    D,
+    Model,
+    Period,
+    Retention,
+    Window,
+    console,
+    make_config,
+    model_path,
+    progress,
+    split,
+)
+
+
+def bench_selection(
+    method: Annotated[list[str], typer.Option(help="Methods to time (repeatable or commas).")] = METHODS,
+    retention: Retention = D.retention,
+    window: Window = D.window,
+    buffer: Buffer = D.buffer,
+    layers: Annotated[int, typer.Option(help="Model layers.")] = 36,
+    heads: Annotated[int, typer.Option(help="Query heads.")] = 32,
+    kv_heads: Annotated[int, typer.Option(help="KV heads.")] = 8,
+    head_dim: Annotated[int, typer.Option(help="Head dimension.")] = 128,
+    batch: Annotated[int, typer.Option(help="Windows selected together.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Timed repeats.")] = 5,
+) -> None:
+    """Time one window's selection (scoring + choice) for a model shape."""
+    from kvllm.bench.selection import time_selection, timing_table
+
+    configs = [make_config(method=m, retention=retention, window=window, buffer=buffer) for m in split(method)]
+    shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
+    timings = [time_selection(c, **shape, batch=batch, repeats=repeats) for c in configs]
+    console.print(timing_table(timings, window, buffer, shape, batch))
+
+
+def bench_throughput(
+    model: Model = None,
+    shape: Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")] = None,
+    system: Annotated[list[str], typer.Option(help="Systems (repeatable or commas).")] = ALL_SYSTEMS,
+    concurrency: Annotated[list[str], typer.Option(help="Requests in flight (repeatable or commas).")] = CONCURRENCY,
+    pool: Annotated[list[str], typer.Option(help="KV pool sizes in blocks (repeatable or commas).")] = POOLS,
+    repeats: Annotated[int, typer.Option(help="Repeats of every cell (systems alternate).")] = 3,
+    output_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 512,
+    requests: Annotated[int, typer.Option(help="Requests per cell (at least its concurrency).")] = 32,
+    retention: Retention = D.retention,
+    window: Window = D.window,
+    buffer: Buffer = D.buffer,
+    period: Period = D.period,
+    threshold_budget: Annotated[int, typer.Option(help="SnapKV-threshold: generated slots kept.")] = 192,
+    threshold_interval: Annotated[int, typer.Option(help="SnapKV-threshold: growth that triggers a round.")] = 64,
+    out: Annotated[Path, typer.Option(help="Output folder (reruns resume).")] = Path("bench-throughput"),
+) -> None:
+    """Output throughput vs concurrency under a small KV pool: vanilla vLLM vs KvLLM."""
+    from kvllm.bench.report import summary_rich, write_report
+    from kvllm.bench.shapes import shape_model
+    from kvllm.bench.sweep import Sweep, run_sweep
+    from kvllm.bench.throughput import Workload
+
+    if model is not None and shape is not None:
+        raise typer.BadParameter("give --model or --shape, not both")
+    compression = make_config(
+        window=window, buffer=buffer, period=period, threshold_budget=threshold_budget,
+        threshold_interval=threshold_interval,
+    )  # fmt: skip
+    try:
+        path = shape_model(shape) if shape is not None else model_path(model)
+        sweep = Sweep(
+            model=str(path), out=out, systems=tuple(split(system)), concurrency=tuple(split(concurrency, int)),
+            pools=tuple(split(pool, int)), repeats=repeats, retention=retention, compression=compression,
+            workload=Workload(output_tokens=output_tokens, requests=requests),
+        )  # fmt: skip
+        specs = sweep.specs()
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    with progress() as bar:
+        job = bar.add_task("bench", total=len(specs) * len(sweep.concurrency))
+        rows = run_sweep(sweep, lambda message: bar.update(job, advance=1, description=message))
+    summary = write_report(rows, out, title=f"{path.name}, {output_tokens} output tokens/request")
+    console.print(summary_rich(summary))
+    console.print(f"mean ratio to vanilla: {summary['mean_ratio_to_vanilla']}")
+    console.print(f"wrote {out}/results.csv, results.json, summary.json, throughput.png, pool_usage.png")

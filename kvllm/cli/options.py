@@ -1,0 +1,98 @@
+"""Flags and helpers shared by the ``kvllm`` commands.
+
+Flag names are shared across commands (``--method``, ``--retention``, ``--window``,
+``--buffer``, ``--period``, ``--param``); list flags repeat or take commas. Defaults come
+from :class:`~kvllm.config.CompressionConfig` and the method registry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvllm.bench.throughput import SYSTEMS
+from kvllm.config import POLICIES, CompressionConfig
+from kvllm.eval.grid import DEFAULT_RETENTIONS
+from kvllm.eval.tasks import FAMILIES
+from kvllm.methods import available
+
+console = Console()
+D = CompressionConfig()
+# List defaults, as module-level values (typer reads them; nothing mutates them).
+METHODS = available()
+RETENTIONS = [",".join(str(r) for r in DEFAULT_RETENTIONS)]
+ALL_FAMILIES = list(FAMILIES)
+ALL_SYSTEMS = list(SYSTEMS)
+CONCURRENCY = ["8,16,32,64,128"]
+POOLS = ["128,256"]
+
+Model = Annotated[Path | None, typer.Option(help="Local model directory (transformers format); default: shipped.")]
+Retention = Annotated[float, typer.Option(help="Fraction of each window kept, in (0, 1].")]
+Window = Annotated[int, typer.Option(help="Window W: compressible tokens (a multiple of the block size).")]
+Buffer = Annotated[int, typer.Option(help="Protected buffer b at the window's end.")]
+Period = Annotated[int, typer.Option(help="Period P: a round every P of a sequence's decode steps.")]
+Policy = Annotated[str, typer.Option(help=f"When to compress: {', '.join(POLICIES)}.")]
+Param = Annotated[list[str] | None, typer.Option(help="A method parameter, KEY=VALUE (repeatable), e.g. rho=0.4.")]
+
+
+class Backend(StrEnum):
+    hf = "hf"
+    vllm = "vllm"
+
+
+def split(values: list[str], cast: Callable[[str], Any] = str) -> list[Any]:
+    """Repeated and comma-separated values, flattened."""
+    return [cast(v.strip()) for value in values for v in value.split(",") if v.strip()]
+
+
+def parse_params(pairs: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a value is read as JSON (numbers, booleans) or kept as text."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise typer.BadParameter(f"--param {pair!r} is invalid: must be KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def make_config(**fields: Any) -> CompressionConfig:
+    try:
+        return CompressionConfig(**fields)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+
+
+def model_path(model: Path | None) -> Path:
+    """``model`` or the shipped default, checked to be a model directory."""
+    from kvllm.assets import model_path
+
+    path = model if model is not None else model_path()
+    if not path.is_dir():
+        raise typer.BadParameter(f"--model {path} is not a model directory")
+    return path
+
+
+def load_model(model: Path | None) -> tuple[Any, Any]:
+    """Tokenizer and fp32 model, offline."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_path(model)
+    # fp32: on CPUs without AMX/AVX-512 bf16 matmul is emulated and far slower.
+    return AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def progress(label: str = "{task.description}") -> Progress:
+    columns = (TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=True)

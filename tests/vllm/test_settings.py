@@ -1,0 +1,108 @@
+"""How settings reach vLLM: the one engine builder, serve's argv, overrides, bad values."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from kvllm.config import CompressionConfig
+from kvllm.vllm import engine
+from kvllm.vllm.server import serve_argv
+from kvllm.vllm.settings import (
+    SCHEDULER,
+    check_engine,
+    engine_config,
+    engine_kwargs,
+    request_config,
+    to_argv,
+)
+
+KARA = CompressionConfig(window=64, buffer=8, period=4)
+
+
+@pytest.mark.parametrize(
+    ("compression", "flags", "kwargs"),
+    [
+        (KARA, [], {}),
+        (KARA, ["--block-size", "64"], {"block_size": 64}),
+        (None, [], {}),
+        (CompressionConfig(method="snapkv", params={"obs_window": 8}), ["--max-num-seqs", "8"], {"max_num_seqs": 8}),
+    ],
+)
+def test_serve_and_llm_build_the_same_engine(tiny_model: str, compression, flags: list[str], kwargs: dict) -> None:
+    """`kvllm serve FLAGS` and `kvllm.LLM(**KWARGS)` for the same settings give vLLM the
+    same engine arguments, field for field, where KvLLM sets them."""
+    served = engine.engine_args_of_server(serve_argv(tiny_model, compression, flags))
+    direct = engine.engine_args_of_llm(tiny_model, engine_kwargs(compression, kwargs))
+    for field in ("block_size", "enable_prefix_caching", "scheduler_cls", "additional_config", "max_num_seqs"):
+        assert getattr(served, field) == getattr(direct, field), field
+    if compression is not None:
+        expected = kwargs.get("block_size", 32)  # vLLM's flag when given, else the one default
+        assert served.block_size == direct.block_size == expected
+        assert served.enable_prefix_caching is False
+        assert CompressionConfig(**served.additional_config["kvllm"]).method == compression.method
+    assert served.scheduler_cls == SCHEDULER
+
+
+def test_serve_refuses_prefix_caching_and_a_misfit_block_size(tiny_model: str) -> None:
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        serve_argv(tiny_model, KARA, ["--enable-prefix-caching"])
+    with pytest.raises(ValueError, match="multiple of vLLM's block_size=128"):
+        serve_argv(tiny_model, KARA, ["--block-size", "128"])
+
+
+def test_engine_kwargs_keeps_user_settings_and_fits_the_block_size() -> None:
+    kwargs = engine_kwargs(KARA, {"block_size": 64, "additional_config": {"other": 1}})
+    assert kwargs["block_size"] == 64 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["additional_config"]["other"] == 1
+    assert kwargs["additional_config"]["kvllm"]["block_size"] == 64
+    assert engine_kwargs(None, {}) == {"scheduler_cls": SCHEDULER}
+
+
+def test_check_engine_names_the_parameter() -> None:
+    assert check_engine(KARA, 32, False).block_size == 32
+    with pytest.raises(ValueError, match=r"window=64 .* block_size=128"):
+        check_engine(KARA, 128, None)
+    with pytest.raises(ValueError, match="pyramidkv"):
+        check_engine(CompressionConfig(method="pyramidkv"), 32, False)
+
+
+def test_to_argv_spells_vllm_flags() -> None:
+    argv = to_argv({"block_size": 32, "enable_prefix_caching": False, "additional_config": {"a": 1}})
+    assert argv == ["--block-size", "32", "--no-enable-prefix-caching", "--additional-config", '{"a": 1}']
+
+
+def test_engine_config_round_trips_and_rejects_malformed_objects() -> None:
+    raw = {"kvllm": dataclasses.asdict(KARA)}
+    assert engine_config(json.loads(json.dumps(raw))) == KARA
+    assert engine_config({}) is None and engine_config(None) is None
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['windw'\]"):
+        engine_config({"kvllm": {"windw": 64}})
+    with pytest.raises(ValueError, match="must be an object"):
+        engine_config({"kvllm": "kara"})
+    with pytest.raises(ValueError, match="retention"):
+        engine_config({"kvllm": {"retention": 2}})
+
+
+def test_request_overrides() -> None:
+    assert request_config(KARA, None) is KARA
+    assert request_config(KARA, {"kvllm": {"off": True}}) is None
+    snap = request_config(KARA, {"kvllm": json.dumps({"method": "snapkv", "retention": 0.5})})
+    assert (snap.method, snap.retention, snap.window) == ("snapkv", 0.5, 64)
+    tuned = request_config(KARA, {"kvllm": {"params": {"rho": 0.25}}})
+    assert tuned.method_params.rho == 0.25
+    for bad, fragment in [
+        ({"window": 64}, "unknown field"),
+        ({"retention": 0}, "retention"),
+        ({"off": "yes"}, "off='yes'"),
+        ({"method": "pyramidkv"}, "pyramidkv"),
+        ({"params": {"nope": 1}}, "unknown field"),
+        ("{not json", "JSON object"),
+        ([1], "must be an object"),
+    ]:
+        with pytest.raises(ValueError, match=fragment):
+            request_config(KARA, {"kvllm": bad})
+    with pytest.raises(ValueError, match="started without compression"):
+        request_config(None, {"kvllm": {"retention": 0.5}})
