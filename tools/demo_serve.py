@@ -48,7 +48,8 @@ def main() -> None:
         stats = reply.model_extra["kv_transfer_params"]["kvllm"]
         print(f"{reply.usage.completion_tokens} tokens in {elapsed:.1f} s; compression: {stats}")
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
-        print("\n".join(line for line in metrics.splitlines() if re.match(r"^kvllm:\w+_total ", line)))
+        # Counters (_total) move with every round; the gauges are what running requests hold now.
+        print("\n".join(line for line in metrics.splitlines() if re.match(r"^kvllm:\w+ ", line)))
     finally:
         stop(server)
 

@@ -8,10 +8,17 @@ reachable only for an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from argparse import Namespace
 from collections.abc import Callable
 from typing import Any
+
+logger = logging.getLogger(__name__)
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+# vLLM's OpenAI API-server entry (``python -m API_SERVER_MODULE --model ...`` is `vllm serve`).
+API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
 def _vllm_llm(llm: Any) -> Any:
@@ -35,6 +42,19 @@ def scheduler_of(llm: Any) -> Any:
 def runner_of(llm: Any) -> Any:
     """The worker's model runner (a ``CompressingCPUModelRunner`` unless vanilla)."""
     return _core(llm).model_executor.driver_worker.worker.model_runner
+
+
+def _ring_usage(worker: Any) -> tuple[int, int] | None:
+    ring = worker.model_runner.kv_ring
+    return None if ring is None else (len(ring.owner), len(ring.free))
+
+
+def ring_usage(llm: Any) -> list[tuple[int, int] | None]:
+    """Per worker rank: (query-ring slots held, slots free), or ``None`` before any round.
+
+    Runs in every worker (``collective_rpc``), so it works for tensor-parallel engines too.
+    """
+    return _vllm_llm(llm).collective_rpc(_ring_usage)
 
 
 def block_pool_usage(scheduler: Any) -> tuple[int, int]:
@@ -98,7 +118,69 @@ def run_api_server(argv: list[str]) -> None:
     vLLM's server entry itself: vllm-cpu's ``vllm`` CLI looks up the metadata of a
     distribution named "vllm", which vllm-cpu is not, and fails before parsing.
     """
-    from vllm.entrypoints.launchers.api_server.entry import main
+    import importlib
 
     sys.argv = ["kvllm-serve", *argv]
-    main()
+    importlib.import_module(API_SERVER_MODULE).main()
+
+
+def model_kv_heads(model: str) -> int | None:
+    """The model's KV head count from its config, or ``None`` when it cannot be read here."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model)
+    except Exception:  # vLLM reads the config itself later and reports what it finds
+        return None
+    config = getattr(config, "get_text_config", lambda: config)()
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    return int(heads) if heads else None
+
+
+def bind_cpu_threads(ranks: int) -> str | None:
+    """Set ``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers when vLLM's own binding would fail.
+
+    vLLM's default ("auto") binds each worker rank (tensor x pipeline x data parallel)
+    to a NUMA node of its own and refuses to start with fewer nodes than ranks, as on
+    a one-node machine. Then the allowed CPUs (one logical CPU per physical core, as
+    vLLM's auto does, when there are enough cores) are split evenly and in order among
+    the ranks, e.g. ``"0|1"`` for two ranks on two CPUs. Nothing happens on one rank,
+    off CPU, when the variable is set, or when there are NUMA nodes enough. Returns the
+    value set, or ``None``. Raises ``ValueError`` saying what to set when there are
+    fewer CPUs than ranks.
+    """
+    if ranks <= 1 or os.environ.get(BIND):
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    import vllm.utils.cpu_resource_utils as cpu_utils
+
+    nodes = cpu_utils.get_visible_memory_node()
+    if len(nodes) >= ranks:
+        return None
+    logical = cpu_utils.get_allowed_cpu_list()
+    by_core: dict[int, int] = {}
+    for cpu in sorted(logical, key=lambda c: c.id):
+        by_core[cpu.physical_core] = cpu.id  # the last logical CPU of each core, like vLLM's auto
+    chosen = sorted(by_core.values()) if len(by_core) >= ranks and -1 not in by_core else sorted(c.id for c in logical)
+    if len(chosen) < ranks:
+        raise ValueError(
+            f"{ranks} CPU worker ranks (tensor x pipeline x data parallel) need {ranks} CPUs, and this process may "
+            f"use {len(chosen)}: set {BIND} yourself (e.g. {BIND}={'|'.join(str(chosen[0]) for _ in range(ranks))!r} "
+            "to share one CPU) or lower the parallel sizes"
+        )
+    k = len(chosen) // ranks
+    value = "|".join(",".join(str(c) for c in chosen[i * k : (i + 1) * k]) for i in range(ranks))
+    os.environ[BIND] = value
+    logger.warning(
+        "kvllm: set %s=%r for %d CPU worker ranks: vLLM's automatic binding needs one NUMA node per rank and "
+        "this machine shows %d; set %s yourself to choose other CPUs",
+        BIND,
+        value,
+        ranks,
+        len(nodes),
+        BIND,
+    )
+    return value

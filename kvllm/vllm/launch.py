@@ -1,4 +1,5 @@
-"""Start `kvllm serve` as a child process and wait until it answers (demos and tests)."""
+"""Start `kvllm serve` (or vLLM's own API server) as a child process and wait until it
+answers (demos and tests)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from pathlib import Path
 
 import httpx
 
+from kvllm.vllm.engine import API_SERVER_MODULE
 
-def start_server(model: str, port: int, flags: list[str], log: Path | None = None, env: dict | None = None):
-    """Spawn ``kvllm serve MODEL FLAGS`` on 127.0.0.1:``port``; returns the process and base URL."""
-    args = [sys.executable, "-m", "kvllm.cli", "serve", model, *flags, "--host", "127.0.0.1", "--port", str(port)]
+
+def start_server(
+    model: str, port: int, flags: list[str], log: Path | None = None, env: dict | None = None, vllm: bool = False
+):
+    """Spawn ``kvllm serve MODEL FLAGS`` on 127.0.0.1:``port``; returns the process and base URL.
+
+    With ``vllm=True``, vLLM's own API server (``vllm serve``) with only ``FLAGS``; the
+    plugin still loads, through its entry point.
+    """
+    command = ["-m", API_SERVER_MODULE, "--model", model] if vllm else ["-m", "kvllm.cli", "serve", model]
+    args = [sys.executable, *command, *flags, "--host", "127.0.0.1", "--port", str(port)]
     out = subprocess.DEVNULL if log is None else log.open("w")
     process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
     return process, f"http://127.0.0.1:{port}"
@@ -23,14 +33,14 @@ def wait_healthy(process: subprocess.Popen, base: str, timeout: float) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if process.poll() is not None:
-            raise RuntimeError(f"kvllm serve exited with {process.returncode}")
+            raise RuntimeError(f"the server exited with {process.returncode}")
         try:
             if httpx.get(f"{base}/health", timeout=2).status_code == 200:
                 return time.monotonic() - start
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise TimeoutError(f"kvllm serve did not answer /health within {timeout:.0f} s")
+    raise TimeoutError(f"the server did not answer /health within {timeout:.0f} s")
 
 
 def stop(process: subprocess.Popen) -> None:

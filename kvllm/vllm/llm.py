@@ -7,7 +7,8 @@ from typing import Any
 
 from kvllm.config import CompressionConfig
 from kvllm.generation import Generation, SeqStats
-from kvllm.vllm.settings import KEY, engine_kwargs, request_config
+from kvllm.vllm import engine
+from kvllm.vllm.settings import KEY, check_parallel, engine_kwargs, request_config, worker_ranks
 
 
 class LLM:
@@ -21,13 +22,18 @@ class LLM:
         Engine-wide compression; ``None`` loads the plugin with compression off.
     **vllm_kwargs
         Any ``vllm.LLM`` argument; :func:`~kvllm.vllm.settings.engine_kwargs` adds
-        KvLLM's scheduler, block size and ``additional_config``.
+        KvLLM's scheduler, block size and ``additional_config``. With
+        ``tensor_parallel_size > 1`` on a CPU with fewer NUMA nodes than worker ranks,
+        ``VLLM_CPU_OMP_THREADS_BIND`` is set when unset (:func:`~kvllm.vllm.engine.bind_cpu_threads`).
     """
 
     def __init__(self, model: str, compression: CompressionConfig | None = None, **vllm_kwargs: Any) -> None:
         import vllm
 
         kwargs = engine_kwargs(compression, vllm_kwargs)
+        if compression is not None:
+            check_parallel(kwargs.get("tensor_parallel_size") or 1, engine.model_kv_heads(model))
+        engine.bind_cpu_threads(worker_ranks(kwargs))
         self.compression = compression
         self.llm = vllm.LLM(model, **kwargs)
 

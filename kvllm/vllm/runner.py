@@ -10,6 +10,14 @@ With one, each step it:
 3. after ``_prepare_inputs``, makes ``seq_lens`` and the slot mapping physical
    (``logical - dropped``) while positions, and so RoPE, stay logical;
 4. publishes the decode rows whose queries the attention backend records.
+
+Under tensor parallelism every rank runs this runner on its own slice of heads (Hq/tp
+query heads, Hkv/tp KV heads, their KV cache and their query ring), with the same plan.
+A round gathers its window's queries and keys from all ranks, so that every rank selects
+on all heads, exactly as a single rank would, and keeps its own heads' rows: per-head
+methods give the same answer either way, but ``random`` draws per (layer, head) from one
+stream and ``chunkkv`` ranks chunks by a layer-wide score, which a rank's slice alone
+would get wrong.
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.config import get_layers_from_vllm_config
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+)
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -43,6 +56,7 @@ class CompressingCPUModelRunner(CPUModelRunner):
         self.kv_ring: QueryRing | None = None
         self.kv_seconds: dict[str, float] = {}
         self.kv_layers: list[Any] = []
+        self.kv_tp_size, self.kv_tp_rank = 1, 0
 
     # -- setup ---------------------------------------------------------------------
     def _kv_setup(self) -> None:
@@ -65,6 +79,8 @@ class CompressingCPUModelRunner(CPUModelRunner):
             dtype=self.model_config.dtype,
         )
         CAPTURE.layer_of = {layer.layer_name: i for i, layer in enumerate(self.kv_layers)}
+        self.kv_tp_size = get_tensor_model_parallel_world_size()
+        self.kv_tp_rank = get_tensor_model_parallel_rank()
 
     # -- per step ------------------------------------------------------------------
     @torch.inference_mode()
@@ -171,13 +187,22 @@ class CompressingCPUModelRunner(CPUModelRunner):
             keys.append(k.unflatten(1, (b, span)).transpose(0, 1))
             queries.append(q[ring_slots, positions].permute(0, 2, 1, 3))  # [B, Hq, nq, D]
         window = Window(
-            queries=torch.stack(queries, dim=1),
-            keys=torch.stack(keys, dim=1),
+            queries=self._all_heads(torch.stack(queries, dim=1)),  # [B, L, Hq, nq, D]
+            keys=self._all_heads(torch.stack(keys, dim=1)),  # [B, L, Hkv, span, D]
             n_compress=n_compress,
             seeds=tuple(c.seed for c in group),
         )
         kept = build(config).select(window, budget).indices  # [B, L, Hkv, m]
+        if self.kv_tp_size > 1:  # this rank's KV heads, in vLLM's contiguous split
+            local = kept.shape[2] // self.kv_tp_size
+            kept = kept[:, :, self.kv_tp_rank * local : (self.kv_tp_rank + 1) * local]
         self._rewrite(group, kept, tables, bs)
+
+    def _all_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, L, heads of this rank, ...]`` gathered over the TP ranks, in rank order."""
+        if self.kv_tp_size == 1:
+            return x
+        return tensor_model_parallel_all_gather(x.contiguous(), dim=2)
 
     def _rewrite(self, group: list[Compaction], kept: torch.Tensor, tables: list[torch.Tensor], bs: int) -> None:
         """Per request: kept slots, then the rest of the sequence, written contiguously from

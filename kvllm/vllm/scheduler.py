@@ -11,6 +11,8 @@ worker's slot mapping and attention lengths.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,16 +20,23 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from kvllm.config import CompressionConfig
 from kvllm.methods import stream_seed
 from kvllm.policy import Policy, SeqState, build_policy
+from kvllm.vllm import metrics
 from kvllm.vllm.plan import Compaction, StepPlan
-from kvllm.vllm.settings import check_engine, engine_config, request_config
+from kvllm.vllm.settings import check_vllm_config, request_config
 
 logger = logging.getLogger(__name__)
 DROPPED = "kvllm_dropped"
+
+
+def block_pool_used(scheduler: Scheduler) -> int:
+    """KV blocks in use; block 0 is vLLM's null block, never free."""
+    pool = scheduler.kv_cache_manager.block_pool
+    return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
 
 
 class PhysicalKVCacheManager(KVCacheManager):
@@ -99,9 +108,7 @@ class CompressingScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.kv_config = engine_config(self.vllm_config.additional_config)
-        if self.kv_config is not None:
-            self.kv_config = check_engine(self.kv_config, self.block_size, self.cache_config.enable_prefix_caching)
+        self.kv_config = check_vllm_config(self.vllm_config)
         self.kv_cache_manager.__class__ = PhysicalKVCacheManager
         self.kv_query_bytes = 0
         if self.kv_config is not None:
@@ -116,6 +123,12 @@ class CompressingScheduler(Scheduler):
             )
         self.kv_requests: dict[str, RequestCompression] = {}
         self.kv_totals = CompressionTotals()
+        # Live metrics for the API process's /metrics (kvllm/vllm/metrics.py), after every step.
+        directory = os.environ.get(metrics.ENV)
+        self.kv_publisher = None
+        if directory:
+            self.kv_publisher = metrics.EnginePublisher(directory, self.vllm_config.parallel_config.data_parallel_rank)
+            self._publish()
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         plan = self._plan() if self.kv_config is not None else None
@@ -183,7 +196,48 @@ class CompressingScheduler(Scheduler):
             self.kv_totals.seconds += s
             if req_id in self.kv_requests:
                 self.kv_requests[req_id].seconds += s
-        return super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self._publish()  # after the step's finished requests were freed
+        return outputs
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> Any:
+        # Aborts (a client went away) free blocks outside a step: publish now, or the
+        # gauges would show them held until the next step, which may never come.
+        finished = super().finish_requests(request_ids, finished_status)
+        self._publish()
+        return finished
+
+    def kv_live(self) -> dict[str, float]:
+        """This engine's live metrics (:data:`kvllm.vllm.metrics.FIELDS`)."""
+        t = self.kv_totals
+        logical = physical = saved = 0
+        bs = self.block_size
+        for request in self.running:
+            n = request.num_computed_tokens
+            kept = n - getattr(request, DROPPED, 0)
+            logical += n
+            physical += kept
+            saved += cdiv(n, bs) - cdiv(kept, bs)
+        return {
+            "compression_rounds": t.rounds,
+            "tokens_dropped": t.tokens_dropped,
+            "blocks_freed": t.blocks_freed,
+            "compress_seconds": t.seconds,
+            "preemptions": t.preemptions,
+            "kv_logical_tokens": logical,
+            "kv_physical_tokens": physical,
+            "kv_blocks_saved": saved,
+            "kv_blocks_used": block_pool_used(self),
+        }
+
+    def _publish(self) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.kv_live())
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
     def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, timestamp, *args, **kwargs)

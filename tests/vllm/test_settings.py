@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -13,10 +14,12 @@ from kvllm.vllm.server import serve_argv
 from kvllm.vllm.settings import (
     SCHEDULER,
     check_engine,
+    check_parallel,
     engine_config,
     engine_kwargs,
     request_config,
     to_argv,
+    worker_ranks,
 )
 
 KARA = CompressionConfig(window=64, buffer=8, period=4)
@@ -106,3 +109,58 @@ def test_request_overrides() -> None:
             request_config(KARA, {"kvllm": bad})
     with pytest.raises(ValueError, match="started without compression"):
         request_config(None, {"kvllm": {"retention": 0.5}})
+
+
+def _topology(monkeypatch: pytest.MonkeyPatch, nodes: list[int], cpus: list[tuple[int, int]]) -> None:
+    """Fake what vLLM reads of the machine: NUMA nodes, and (logical CPU, physical core) pairs."""
+    import vllm.utils.cpu_resource_utils as cpu_utils
+
+    monkeypatch.setenv(engine.BIND, "")  # restored at teardown to what it was, also when unset
+    monkeypatch.delenv(engine.BIND)
+    monkeypatch.setattr(cpu_utils, "get_visible_memory_node", lambda: nodes)
+    monkeypatch.setattr(
+        cpu_utils, "get_allowed_cpu_list", lambda: [cpu_utils.LogicalCPUInfo(i, core, 0) for i, core in cpus]
+    )
+
+
+def test_cpu_threads_are_bound_when_vllm_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    _topology(monkeypatch, [0], [(0, 0), (1, 1)])
+    assert engine.bind_cpu_threads(1) is None  # one rank: vLLM's default works
+    assert engine.bind_cpu_threads(2) == "0|1" == os.environ[engine.BIND]
+    assert engine.bind_cpu_threads(2) is None  # set already (by the user, or above): left alone
+    # SMT: one logical CPU per physical core, as vLLM's auto binding picks them.
+    _topology(monkeypatch, [0], [(0, 0), (1, 1), (2, 2), (3, 3), (4, 0), (5, 1), (6, 2), (7, 3)])
+    assert engine.bind_cpu_threads(2) == "4,5|6,7"
+    _topology(monkeypatch, [0, 1], [(0, 0), (1, 1)])
+    assert engine.bind_cpu_threads(2) is None  # a NUMA node per rank: vLLM binds itself
+    _topology(monkeypatch, [0], [(0, 0)])
+    with pytest.raises(ValueError, match="set VLLM_CPU_OMP_THREADS_BIND yourself"):
+        engine.bind_cpu_threads(2)
+
+
+def test_tensor_parallel_size_must_divide_the_kv_heads() -> None:
+    check_parallel(1, 3)
+    check_parallel(2, 2)
+    check_parallel(4, None)  # unknown here: the scheduler checks it in the engine
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 .* the model's 2 KV heads.* \[1, 2\]"):
+        check_parallel(4, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        check_parallel(2, 3)
+    assert worker_ranks({"tensor_parallel_size": 2, "data_parallel_size": 2}) == 4
+    assert worker_ranks({}) == 1
+
+
+def test_serve_checks_tensor_parallelism_and_binds_threads(tiny_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvllm serve --tensor-parallel-size N`: refused before anything starts when N does not
+    divide the KV heads; otherwise the CPU binding is set for its N ranks, then vLLM starts."""
+    from kvllm.vllm import server
+
+    monkeypatch.setenv(server.ENV, "{}")  # serve() overwrites it; restored after the test
+    started, ranks = [], []
+    monkeypatch.setattr(engine, "run_api_server", started.append)
+    monkeypatch.setattr(engine, "bind_cpu_threads", ranks.append)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4"):
+        server.serve(tiny_model, KARA, ["--tensor-parallel-size", "4"], 5)
+    assert started == []
+    server.serve(tiny_model, KARA, ["--tensor-parallel-size", "2"], 5)
+    assert ranks == [2] and "--tensor-parallel-size" in started[0]

@@ -1,0 +1,69 @@
+"""Live metrics (engine record -> API-process collector) and the streamed-statistics splice,
+without an engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvllm.vllm.metrics import FIELDS, Collector, EnginePublisher, read_totals
+from kvllm.vllm.server import _splice
+
+STATS = {"kvllm": {"method": "kara", "compressions": 3}}
+
+
+def test_engines_publish_and_the_collector_sums_them(tmp_path: Path) -> None:
+    a, b = EnginePublisher(str(tmp_path), 0), EnginePublisher(str(tmp_path), 1)
+    a.publish({"compression_rounds": 2, "kv_physical_tokens": 10, "compress_seconds": 0.5})
+    b.publish({"compression_rounds": 3, "kv_physical_tokens": 5})
+    assert read_totals(str(tmp_path)) == {
+        **dict.fromkeys(FIELDS, 0.0),
+        "compression_rounds": 5.0,
+        "kv_physical_tokens": 15.0,
+        "compress_seconds": 0.5,
+    }
+    a.publish({"compression_rounds": 4})  # a record is replaced whole
+    assert read_totals(str(tmp_path))["compression_rounds"] == 7.0
+    registry = CollectorRegistry()
+    registry.register(Collector(str(tmp_path)))
+    text = generate_latest(registry).decode()
+    assert "kvllm:compression_rounds_total 7.0" in text
+    assert "kvllm:kv_physical_tokens 5.0" in text
+    assert "# TYPE kvllm:kv_blocks_saved gauge" in text
+    a.close()
+    b.close()
+    a.close()  # twice is fine
+    assert list(tmp_path.iterdir()) == []
+    assert read_totals(str(tmp_path))["compression_rounds"] == 0.0
+    assert read_totals(str(tmp_path / "missing")) == dict.fromkeys(FIELDS, 0.0)
+
+
+def test_a_torn_record_is_never_read(tmp_path: Path) -> None:
+    publisher = EnginePublisher(str(tmp_path), 0)
+    publisher.publish({"compression_rounds": 1})
+    raw = bytearray(publisher.path.read_bytes())
+    raw[0] |= 1  # a writer caught mid-record forever: odd sequence
+    (tmp_path / "engine-9-0-0.bin").write_bytes(bytes(raw))
+    assert read_totals(str(tmp_path))["compression_rounds"] == 1.0  # the torn one is skipped
+    publisher.close()
+
+
+def _chunk(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def test_splice_adds_the_statistics_to_the_final_chunk_only() -> None:
+    finish = {"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "length"}]}
+    token = {"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+    usage = {"id": "c", "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}}
+    spliced = _splice(_chunk(finish), STATS, usage=False)
+    assert spliced.endswith("}\n\n") and spliced.startswith("data: {")
+    assert json.loads(spliced[len("data: ") :]) == {**finish, "kv_transfer_params": STATS}
+    assert json.loads(_splice(_chunk(usage), STATS, usage=True)[6:]) == {**usage, "kv_transfer_params": STATS}
+    assert _splice(_chunk(token), STATS, usage=False) is None
+    assert _splice(_chunk(finish), STATS, usage=True) is None  # with usage, only the usage chunk
+    assert _splice(_chunk(usage), STATS, usage=False) is None
+    assert _splice("data: [DONE]\n\n", STATS, usage=False) is None
+    assert _splice(_chunk({"error": {"message": "x"}}), STATS, usage=True) is None
