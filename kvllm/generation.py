@@ -12,12 +12,17 @@ class SeqStats:
     """Cache statistics of one generated sequence.
 
     ``compress_seconds`` is the sequence's share of the time its rounds took.
+    ``held_mean`` and ``held_end`` are the KV slots held for *generated* tokens over the
+    generated tokens seen (physical over logical, the prompt left out), averaged over
+    the decode steps and at the end; ``None`` where a backend does not track them.
     """
 
     logical_length: int
     physical_length: int
     compressions: int
     compress_seconds: float
+    held_mean: float | None = None
+    held_end: float | None = None
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,8 @@ class Generation:
     texts: list[str]
     token_ids: list[list[int]]
     stats: list[SeqStats]
+    #: Teacher forcing only: per row, the model's argmax at each forced position.
+    predictions: list[list[int]] | None = None
 
 
 def stats_table(result: Generation, title: str) -> Table:

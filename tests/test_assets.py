@@ -89,5 +89,5 @@ def test_reads_operand_values_back(shipped) -> None:
 def test_full_kv_prompt_needle_floor(shipped) -> None:
     model, tok = shipped
     problems = task_problems("prompt-needle", 8, EASY, tok)
-    correct, _, _ = run_accuracy_cell(model, tok, problems, None, batch_size=8)
+    correct = [r["correct"] for r in run_accuracy_cell(model, tok, problems, None, batch_size=8)]
     assert sum(correct) / len(correct) >= NEEDLE_FLOOR, correct

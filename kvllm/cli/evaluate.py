@@ -15,11 +15,13 @@ from kvllm.cli.options import (
     Buffer,
     D,
     Model,
+    Param,
     Period,
     Window,
     console,
     load_model,
     make_config,
+    parse_params,
     progress,
     split,
 )
@@ -46,18 +48,33 @@ def evaluate(
     buffer: Buffer = D.buffer,
     period: Period = D.period,
     batch_size: Annotated[int, typer.Option(help="Prompts generated together.")] = 8,
+    param: Param = None,
+    teacher_forced: Annotated[
+        bool, typer.Option(help="Force Full KV's completions through each method (method 'oracle' allowed).")
+    ] = False,
+    split_: Annotated[str, typer.Option("--split", help="Seeds to run: test (reported) or dev (tuning).")] = "test",
+    test_seeds: Annotated[str, typer.Option(help="Test seed range START:END (held out from tuning).")] = "0:100000",
+    dev_seeds: Annotated[str, typer.Option(help="Development seed range START:END (tuning only).")] = "100000:200000",
 ) -> None:
-    """Accuracy vs retention for every method: a table, a CSV/JSON and a plot. Resumes."""
-    from kvllm.eval.grid import cells, run_grid
+    """Accuracy vs retention for every method: exact match, lookup fidelity, memory held;
+    tables, CSV/JSON and plots. Resumes."""
+    from kvllm.eval.grid import ORACLE, cells, run_grid
     from kvllm.eval.math_data import load_math
     from kvllm.eval.problems import task_problems
-    from kvllm.eval.report import accuracy_markdown, accuracy_rich, plot_accuracy
+    from kvllm.eval.report import accuracy_markdown, accuracy_rich, lookup_markdown, plot_accuracy, plot_frontier
     from kvllm.eval.tasks import Difficulty
 
     methods, retentions, families = split(method), split(retention, float), split(family)
+    for r in retentions:
+        if not 0.0 < r <= 1.0:
+            raise typer.BadParameter(f"--retention {r} is invalid: must be in (0, 1]")
+    if ORACLE in methods and not teacher_forced:
+        raise typer.BadParameter("--method oracle is invalid without --teacher-forced: it needs the forced future")
     base = make_config(window=window, buffer=buffer, period=period)
-    for m, r in ((m, r) for m in methods for r in retentions):
-        make_config(method=m, retention=r, window=window, buffer=buffer, period=period)
+    params = parse_params(param)
+    for m, r in ((m, r) for m in methods if m != ORACLE for r in retentions):
+        make_config(method=m, retention=r, window=window, buffer=buffer, period=period, params=params)
+    first_seed = _first_seed(split_, test_seeds, dev_seeds, n)
     for f in families:
         if f not in FAMILIES:
             raise typer.BadParameter(f"--family {f!r} is invalid: must be one of {', '.join(FAMILIES)}")
@@ -69,16 +86,51 @@ def evaluate(
     if math_jsonl:
         problems = {p.stem: load_math(p, tok, max_new_tokens) for p in math_jsonl}
     else:
-        problems = {f: task_problems(f, n, difficulty, tok) for f in families}
-    total = sum(len(problems[f]) * samples for _, _, f in cells(methods, retentions, list(problems)))
+        problems = {f: task_problems(f, n, difficulty, tok, first_seed=first_seed) for f in families}
+    grid = cells(methods, retentions, list(problems), teacher_forced)
+    total = sum(len(problems[f]) * samples for _, _, f, _ in grid)
     with progress() as bar:
         job = bar.add_task("eval", total=total)
         sampling = {"samples": samples, "temperature": temperature, "top_p": top_p}
         results = run_grid(
             lm, tok, problems, methods, retentions, base, out, batch_size=batch_size, **sampling,
+            teacher_forced=teacher_forced, params=params,
             on_progress=lambda name, k: bar.update(job, advance=k, description=name),
         )  # fmt: skip
     plot_accuracy(results, out / "accuracy.png", title=f"W={window} b={buffer} P={period}")
     (out / "results.md").write_text(accuracy_markdown(results))
+    (out / "lookup.md").write_text(lookup_markdown(results))
+    plot_frontier(results, out / "frontier.png", title=f"W={window} b={buffer} P={period}")
     console.print(accuracy_rich(results))
-    console.print(f"wrote {out / 'results.csv'}, {out / 'results.json'}, {out / 'results.md'}, {out / 'accuracy.png'}")
+    console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")
+
+
+def _range(flag: str, text: str) -> range:
+    from kvllm.eval.tasks import TEST_SEEDS
+
+    start, sep, end = text.partition(":")
+    try:
+        seeds = range(int(start), int(end))
+    except ValueError:
+        seeds = range(0)
+    if not sep or not seeds or seeds.start < TEST_SEEDS.start or seeds.stop > TEST_SEEDS.stop:
+        raise typer.BadParameter(
+            f"{flag} {text!r} is invalid: must be START:END with {TEST_SEEDS.start} <= START < END <= "
+            f"{TEST_SEEDS.stop} (the seeds no training saw)"
+        )
+    return seeds
+
+
+def _first_seed(which: str, test_seeds: str, dev_seeds: str, n: int) -> int:
+    """The first seed of the chosen split, after checking the two splits are disjoint."""
+    test, dev = _range("--test-seeds", test_seeds), _range("--dev-seeds", dev_seeds)
+    if test.start < dev.stop and dev.start < test.stop:
+        raise typer.BadParameter(
+            f"--dev-seeds {dev_seeds} and --test-seeds {test_seeds} overlap: they must be disjoint"
+        )
+    if which not in ("test", "dev"):
+        raise typer.BadParameter(f"--split {which!r} is invalid: must be test or dev")
+    seeds = test if which == "test" else dev
+    if n > len(seeds):
+        raise typer.BadParameter(f"--n {n} is invalid: the {which} seeds {seeds.start}:{seeds.stop} hold {len(seeds)}")
+    return seeds.start

@@ -3,6 +3,12 @@
 Every finished cell is appended to ``results.jsonl`` at once, so an interrupted run
 resumes where it stopped. Retention 1.0 keeps every token whatever the method, so it is
 run once per family as the ``full`` (Full KV) cell and shared by every method's curve.
+
+Each problem is graded by exact match and by lookup fidelity (:mod:`kvllm.eval.lookup`).
+A cell runs free (the model's own tokens) or teacher-forced: the Full-KV free cell's
+completions are forced token by token through the same compressing cache, so every
+method sees the same tokens and no error compounds; only there can the ``oracle``
+selector run (:mod:`kvllm.eval.oracle`).
 """
 
 from __future__ import annotations
@@ -11,19 +17,29 @@ import csv
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvllm.config import CompressionConfig
 from kvllm.eval.problems import Problem
 
 FULL = "full"
+ORACLE = "oracle"
+MODES = ("free", "teacher-forced")
 # Methods default to every registered one (kvllm.methods.available()).
 DEFAULT_RETENTIONS = (0.1, 0.2, 0.3, 0.5, 1.0)
 
 
 @dataclass(frozen=True)
 class CellResult:
+    """One cell: exact-match accuracy, lookup fidelity, memory held, per-problem records.
+
+    ``fidelity_generated``/``fidelity_prompt`` pool the reads of every problem; the
+    per-problem counts in ``problems`` give intervals and paired differences
+    (:mod:`kvllm.eval.stats`). ``held_mean``/``held_end`` average over problems the KV
+    slots held for generated tokens over generated tokens, over decoding and at the end.
+    """
+
     method: str
     retention: float
     family: str
@@ -31,26 +47,45 @@ class CellResult:
     correct: int
     accuracy: float
     mean_new_tokens: float
-    mean_kept: float  # physical / logical length at the end, averaged
+    mean_kept: float  # physical / logical length at the end, prompt included, averaged
     seconds: float
     per_problem: list[bool]
+    mode: str = "free"
+    window: int = 128
+    buffer: int = 32
+    fidelity_generated: float | None = None
+    fidelity_prompt: float | None = None
+    recall: float | None = None
+    held_mean: float | None = None
+    held_end: float | None = None
+    problems: list[dict] = field(default_factory=list)
 
     @property
-    def key(self) -> tuple[str, float, str]:
-        return (self.method, self.retention, self.family)
+    def key(self) -> tuple[str, float, str, str, int, int]:
+        return (self.method, self.retention, self.family, self.mode, self.window, self.buffer)
 
 
-def cells(methods: Sequence[str], retentions: Sequence[float], families: Sequence[str]) -> list[tuple[str, float, str]]:
-    """The distinct (method, retention, family) cells, Full KV once per family."""
-    out: list[tuple[str, float, str]] = []
+def cells(
+    methods: Sequence[str], retentions: Sequence[float], families: Sequence[str], teacher_forced: bool = False
+) -> list[tuple[str, float, str, str]]:
+    """The distinct (method, retention, family, mode) cells, Full KV once per family and mode.
+
+    The free Full-KV cell always runs: teacher-forced cells force its completions.
+    """
+    out: list[tuple[str, float, str, str]] = []
     for family in families:
+        if any(r >= 1.0 for r in retentions) or teacher_forced:
+            out.append((FULL, 1.0, family, "free"))
+        if not teacher_forced:
+            out += [(m, r, family, "free") for m in methods for r in retentions if r < 1.0]
+            continue
         if any(r >= 1.0 for r in retentions):
-            out.append((FULL, 1.0, family))
-        out += [(m, r, family) for m in methods for r in retentions if r < 1.0]
+            out.append((FULL, 1.0, family, "teacher-forced"))
+        out += [(m, r, family, "teacher-forced") for m in methods for r in retentions if r < 1.0]
     return out
 
 
-def load_results(path: Path) -> dict[tuple[str, float, str], CellResult]:
+def load_results(path: Path) -> dict[tuple, CellResult]:
     if not path.exists():
         return {}
     results = {}
@@ -68,18 +103,37 @@ def run_accuracy_cell(
     config: CompressionConfig | None,
     *,
     batch_size: int,
+    window: int = 128,
     samples: int = 1,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    forced: Sequence[Sequence[int]] | None = None,
+    oracle: bool = False,
+    keep_ids: bool = False,
     on_problem: Callable[[int], None] | None = None,
-) -> tuple[list[bool], list[int], list[float]]:
-    """Per-sample correctness, new-token counts and kept ratios for ``problems``."""
+) -> list[dict]:
+    """One record per problem (and sample): exact match, lookups, memory held.
+
+    With ``forced`` (a token list per problem), teacher-forced: lookups are graded on the
+    model's argmax at the forced completion's digits; ``oracle`` swaps the method for the
+    oracle selector, fed with a Full-KV pass over each forced sequence. ``keep_ids``
+    stores each completion's token ids in its record (the Full-KV cell's, to force them).
+    """
     from kvllm.hf import generate  # transformers is heavy; `kvllm --help` should not wait
 
-    correct, lengths, kept = [], [], []
+    if oracle and forced is None:
+        raise ValueError("the oracle runs teacher-forced only")
+    records = []
     for sample in range(samples):
         for lo in range(0, len(problems), batch_size):
             batch = problems[lo : lo + batch_size]
+            batch_forced = None if forced is None else [list(f) for f in forced[lo : lo + batch_size]]
+            selector = None
+            if oracle:
+                from kvllm.eval.oracle import Oracle, full_attention
+
+                prompt_ids = [tokenizer(p.prompt)["input_ids"] for p in batch]
+                selector = Oracle(full_attention(model, [p + f for p, f in zip(prompt_ids, batch_forced, strict=True)]))
             out = generate(
                 model,
                 tokenizer,
@@ -89,14 +143,74 @@ def run_accuracy_cell(
                 temperature=temperature,
                 top_p=top_p,
                 seed=sample * 1_000_003 + lo,
+                forced=batch_forced,
+                method=selector,
             )
-            for p, text, ids, st in zip(batch, out.texts, out.token_ids, out.stats, strict=True):
-                correct.append(p.grade(text))
-                lengths.append(len(ids))
-                kept.append(st.physical_length / st.logical_length)
+            for i, (p, text, ids, st) in enumerate(zip(batch, out.texts, out.token_ids, out.stats, strict=True)):
+                records.append(_record(tokenizer, p, text, ids, st, window, out.predictions, i, keep_ids))
             if on_problem is not None:
                 on_problem(len(batch))
-    return correct, lengths, kept
+    return records
+
+
+def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, predictions, row: int, keep_ids: bool):
+    from kvllm.eval import lookup
+
+    if predictions is not None:
+        t = lookup.forced_tally(tokenizer, problem.prompt, ids, predictions[row], window)
+    else:
+        _, owner = lookup.char_to_token(tokenizer, ids)
+        _, prompt_owner = lookup.char_to_token(tokenizer, tokenizer(problem.prompt)["input_ids"])
+        t = lookup.tally(problem.prompt, text, window, owner, prompt_owner)
+    record = {
+        "uid": problem.uid,
+        "correct": problem.grade(text),
+        "recall": lookup.self_recall(text) if problem.family == "gen-needle" else None,
+        "reads": t.reads,
+        "right": t.right,
+        "bucket_reads": t.bucket_reads,
+        "bucket_right": t.bucket_right,
+        "malformed": t.malformed_lines,
+        "new_tokens": len(ids),
+        "kept": stats.physical_length / stats.logical_length,
+        "held_mean": stats.held_mean,
+        "held_end": stats.held_end,
+    }
+    if keep_ids:
+        record["ids"] = list(ids)
+    return record
+
+
+def _summarise(method: str, retention: float, family: str, mode: str, base: CompressionConfig, records, seconds):
+    from kvllm.eval.stats import ratio_of_sums
+
+    def fidelity(source: str) -> float | None:
+        total = [r["reads"][source] for r in records]
+        return ratio_of_sums([r["right"][source] for r in records], total) if sum(total) else None
+
+    recalls = [r["recall"] for r in records if r["recall"] is not None]
+    n = len(records)
+    return CellResult(
+        method=method,
+        retention=retention,
+        family=family,
+        n=n,
+        correct=sum(r["correct"] for r in records),
+        accuracy=sum(r["correct"] for r in records) / n,
+        mean_new_tokens=sum(r["new_tokens"] for r in records) / n,
+        mean_kept=sum(r["kept"] for r in records) / n,
+        seconds=round(seconds, 2),
+        per_problem=[r["correct"] for r in records],
+        mode=mode,
+        window=base.window,
+        buffer=base.buffer,
+        fidelity_generated=fidelity("generated"),
+        fidelity_prompt=fidelity("prompt"),
+        recall=sum(recalls) / len(recalls) if recalls else None,
+        held_mean=sum(r["held_mean"] for r in records) / n,
+        held_end=sum(r["held_end"] for r in records) / n,
+        problems=records,
+    )
 
 
 def run_grid(
@@ -112,59 +226,68 @@ def run_grid(
     samples: int = 1,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    teacher_forced: bool = False,
+    params: dict | None = None,
     on_progress: Callable[[str, int], None] | None = None,
 ) -> list[CellResult]:
     """Run every missing cell, append it to ``out_dir/results.jsonl``, and return all cells.
 
     ``base`` supplies window, buffer, period and the other knobs; each cell overrides
-    method and retention. ``on_progress(cell_name, problems_done)`` drives a progress bar.
+    method and retention, and ``params`` (method parameters) apply to every method. The
+    cell key does not hold ``params``: a run with other params needs its own ``out_dir``.
+    ``on_progress(cell_name, problems_done)`` drives a progress bar.
     """
+    if ORACLE in methods and not teacher_forced:
+        raise ValueError("--method oracle is invalid without --teacher-forced: it needs the forced future")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.jsonl"
     done = load_results(path)
-    for method, retention, family in cells(methods, retentions, list(problems)):
-        if (method, retention, family) in done:
+    wanted = cells(methods, retentions, list(problems), teacher_forced)
+    for method, retention, family, mode in wanted:
+        key = (method, retention, family, mode, base.window, base.buffer)
+        if key in done:
             if on_progress is not None:
                 on_progress("resumed", len(problems[family]) * samples)
             continue
-        config = None if method == FULL else base.replace(method=method, retention=retention)
-        name = f"{method} r={retention} {family}"
+        config = None
+        if method != FULL:
+            # The oracle runs under the same policy and rounds; only its selection differs.
+            name = "kara" if method == ORACLE else method
+            config = base.replace(method=name, retention=retention, params={} if method == ORACLE else params or {})
+        forced = None
+        if mode == "teacher-forced":
+            full = done[(FULL, 1.0, family, "free", base.window, base.buffer)]
+            forced = [r["ids"] for r in full.problems]
+        name = f"{method} r={retention} {family} {mode}"
         start = time.perf_counter()
-        correct, lengths, kept = run_accuracy_cell(
+        records = run_accuracy_cell(
             model,
             tokenizer,
             problems[family],
             config,
             batch_size=batch_size,
+            window=base.window,
             samples=samples,
             temperature=temperature,
             top_p=top_p,
+            forced=forced,
+            oracle=method == ORACLE,
+            keep_ids=method == FULL and mode == "free",
             on_problem=None if on_progress is None else lambda k, name=name: on_progress(name, k),
         )
-        result = CellResult(
-            method=method,
-            retention=retention,
-            family=family,
-            n=len(correct),
-            correct=sum(correct),
-            accuracy=sum(correct) / len(correct),
-            mean_new_tokens=sum(lengths) / len(lengths),
-            mean_kept=sum(kept) / len(kept),
-            seconds=round(time.perf_counter() - start, 2),
-            per_problem=correct,
-        )
+        result = _summarise(method, retention, family, mode, base, records, time.perf_counter() - start)
         with path.open("a") as f:
             f.write(json.dumps(asdict(result)) + "\n")
         done[result.key] = result
-    wanted = set(cells(methods, retentions, list(problems)))
-    results = [r for k, r in done.items() if k in wanted]
+    keys = {(m, r, f, mode, base.window, base.buffer) for m, r, f, mode in wanted}
+    results = [r for k, r in done.items() if k in keys]
     write_tables(results, out_dir)
     return results
 
 
 def write_tables(results: Sequence[CellResult], out_dir: Path) -> None:
     """``results.csv`` (one row per cell) and ``results.json`` (without per-problem lists)."""
-    fields = [f for f in CellResult.__dataclass_fields__ if f != "per_problem"]
+    fields = [f for f in CellResult.__dataclass_fields__ if f not in ("per_problem", "problems")]
     rows = [{f: getattr(r, f) for f in fields} for r in sorted(results, key=lambda r: r.key)]
     with (out_dir / "results.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)

@@ -18,6 +18,7 @@ from kvllm.eval.grid import FULL, CellResult
 def accuracy_table(results: Sequence[CellResult]) -> dict[str, dict[str, dict[float, float]]]:
     """family (and "mean") -> method -> retention -> accuracy; Full KV joins each method at 1.0."""
     table: dict[str, dict[str, dict[float, float]]] = defaultdict(lambda: defaultdict(dict))
+    results = [r for r in results if r.mode == "free"]  # exact match is a free-running grade
     full = {r.family: r.accuracy for r in results if r.method == FULL}
     for r in results:
         if r.method != FULL:
@@ -94,3 +95,153 @@ def accuracy_rich(results: Sequence[CellResult]) -> Table:
         for method, curve in sorted(table[family].items()):
             out.add_row(family, method, *(f"{100 * curve[p]:.1f}" if p in curve else "-" for p in points))
     return out
+
+
+def _reads(cell: CellResult, source: str = "generated") -> tuple[list[int], list[int]]:
+    return [p["right"][source] for p in cell.problems], [p["reads"][source] for p in cell.problems]
+
+
+def lookup_rows(results: Sequence[CellResult], reference: str = "kara") -> list[dict]:
+    """Per cell with lookup records: fidelity of generated and prompt reads with 95%
+    bootstrap intervals, memory held, self-recall and exact match with Wilson intervals,
+    and ``reference`` minus this method on the same problems (paired bootstrap)."""
+    from kvllm.eval.stats import bootstrap_ratio, paired_difference, wilson
+
+    by_key = {r.key: r for r in results}
+    rows = []
+    for cell in sorted((r for r in results if r.problems), key=lambda r: r.key):
+        right, total = _reads(cell)
+        if not sum(total):
+            continue
+        row = {
+            "method": cell.method,
+            "retention": cell.retention,
+            "family": cell.family,
+            "mode": cell.mode,
+            "window": cell.window,
+            "buffer": cell.buffer,
+            "n": cell.n,
+            "reads": sum(total),
+            "fidelity": cell.fidelity_generated,
+            "fidelity_ci": bootstrap_ratio(right, total),
+            "fidelity_prompt": cell.fidelity_prompt,
+            "held_mean": cell.held_mean,
+            "held_end": cell.held_end,
+            "accuracy": cell.accuracy,
+            "accuracy_ci": wilson(cell.correct, cell.n),
+            "recall": cell.recall,
+            "recall_ci": None,
+            "vs_reference": None,
+        }
+        recalls = [p["recall"] for p in cell.problems if p["recall"] is not None]
+        if recalls:
+            row["recall_ci"] = wilson(sum(recalls), len(recalls))
+        ref = by_key.get((reference, *cell.key[1:]))
+        if (
+            ref is not None
+            and ref is not cell
+            and [p["uid"] for p in ref.problems] == [p["uid"] for p in cell.problems]
+        ):
+            row["vs_reference"] = paired_difference(*_reads(ref), right, total)
+        rows.append(row)
+    return rows
+
+
+def _ci(value: float | None, ci: tuple[float, float] | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if ci is None else f"{value:.3f} [{ci[0]:.3f}-{ci[1]:.3f}]"
+
+
+def lookup_markdown(results: Sequence[CellResult], reference: str = "kara") -> str:
+    """Markdown: per (family, mode, W, b), a row per (method, retention) with generated-read
+    fidelity [95% CI], prompt-read fidelity, memory held (mean, end), the paired difference
+    to ``reference``, exact match and self-recall [Wilson 95%]; then fidelity by distance."""
+    rows = lookup_rows(results, reference)
+    out: list[str] = []
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["family"], row["mode"], row["window"], row["buffer"])].append(row)
+    for (family, mode, window, buffer), group in sorted(groups.items()):
+        out += [f"**{family}, {mode}, W={window}, b={buffer}** ({group[0]['n']} problems)", ""]
+        out.append(
+            f"| method | r | generated-read fidelity [95% CI] | prompt reads | held (mean) | held (end) "
+            f"| {reference} - method [95% CI] | exact match [95% CI] | self-recall [95% CI] |"
+        )
+        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for row in sorted(group, key=lambda r: (r["method"] != FULL, r["method"], r["retention"])):
+            diff = row["vs_reference"]
+            diff_text = "-" if diff is None else f"{diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]"
+            # Teacher-forced text is Full KV's: its answers say nothing about the method.
+            answers = "- | -"
+            if mode == "free":
+                answers = f"{_ci(row['accuracy'], row['accuracy_ci'])} | {_ci(row['recall'], row['recall_ci'])}"
+            out.append(
+                f"| {row['method']} | {row['retention']:g} | {_ci(row['fidelity'], row['fidelity_ci'])} "
+                f"| {_ci(row['fidelity_prompt'], None)} | {row['held_mean']:.3f} | {row['held_end']:.3f} "
+                f"| {diff_text} | {answers} |"
+            )
+        out.append("")
+    out += _distance_markdown(results)
+    return "\n".join(out)
+
+
+def _distance_markdown(results: Sequence[CellResult]) -> list[str]:
+    """Generated-read fidelity by distance bucket, per (family, mode, W, b, method, r)."""
+    from kvllm.eval.lookup import BUCKETS
+
+    cells = sorted((r for r in results if r.problems), key=lambda r: r.key)
+    if not cells:
+        return []
+    labels = [b[0] for b in BUCKETS]
+    out = ["**generated-read fidelity by distance (tokens back, in W)**", ""]
+    out.append("| family | mode | W | b | method | r | " + " | ".join(labels) + " |")
+    out.append("| --- | --- | ---: | ---: | --- | ---: |" + " ---: |" * len(labels))
+    for c in cells:
+        vals = []
+        for label in labels:
+            n = sum(p["bucket_reads"][label] for p in c.problems)
+            k = sum(p["bucket_right"][label] for p in c.problems)
+            vals.append(f"{k / n:.3f} ({n})" if n else "-")
+        out.append(
+            f"| {c.family} | {c.mode} | {c.window} | {c.buffer} | {c.method} | {c.retention:g} | "
+            + " | ".join(vals)
+            + " |"
+        )
+    out.append("")
+    return out
+
+
+def plot_frontier(results: Sequence[CellResult], path: Path, title: str = "") -> Path:
+    """Generated-read fidelity vs time-averaged memory held, a panel per (family, mode),
+    a line per method (its retentions and W/b points), 95% bootstrap bars."""
+    rows = [r for r in lookup_rows(results) if r["method"] != FULL]
+    panels = sorted({(r["family"], r["mode"]) for r in rows})
+    if not panels:
+        return path
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False, sharey=True)
+    for ax, (family, mode) in zip(axes[0], panels, strict=True):
+        mine = [r for r in rows if (r["family"], r["mode"]) == (family, mode)]
+        for method in sorted({r["method"] for r in mine}):
+            pts = sorted((r for r in mine if r["method"] == method), key=lambda r: r["held_mean"])
+            xs, ys = [p["held_mean"] for p in pts], [p["fidelity"] for p in pts]
+            err = [[y - p["fidelity_ci"][0] for y, p in zip(ys, pts, strict=True)],
+                   [p["fidelity_ci"][1] - y for y, p in zip(ys, pts, strict=True)]]  # fmt: skip
+            style = {"linewidth": 2.5, "color": "black"} if method == "kara" else {"linewidth": 1.1}
+            if method == "oracle":
+                style = {"linewidth": 2.0, "color": "tab:red", "linestyle": "--"}
+            ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=2, label=method, **style)
+        full = [r for r in lookup_rows(results) if r["method"] == FULL and (r["family"], r["mode"]) == (family, mode)]
+        for r in full:
+            ax.axhline(r["fidelity"], color="grey", linestyle=":", label="Full KV")
+        ax.set_title(f"{family}, {mode}")
+        ax.set_xlabel("KV held for generated tokens (time-averaged share)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("generated-read lookup fidelity")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

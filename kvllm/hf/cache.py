@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvllm.config import CompressionConfig
 from kvllm.generation import SeqStats
 from kvllm.hf.compaction import compact
-from kvllm.methods import Window, build, stream_seed
+from kvllm.methods import Method, Window, build, stream_seed
 from kvllm.policy import Region, SeqState, build_policy
 
 
@@ -84,6 +84,9 @@ class CompressingCache(Cache):
     prompt_ids
         Each row's prompt token ids (without padding): with the round, they seed a
         method's random draws (:func:`~kvllm.methods.stream_seed`) as vLLM's do.
+    method
+        A selector to use instead of ``config.method``'s (the evaluation's oracle); the
+        policy, rounds and compaction stay the same.
     """
 
     def __init__(
@@ -92,15 +95,18 @@ class CompressingCache(Cache):
         config: CompressionConfig | None,
         pad_lengths: list[int],
         prompt_ids: list[list[int]] | None = None,
+        method: Method | None = None,
     ) -> None:
         ring = config.query_buffer_len if config is not None else 1
         super().__init__(layers=[CompressedLayer(ring) for _ in range(model_config.num_hidden_layers)])
         self.compression = config
-        self.method = build(config) if config is not None else None
+        self.method = method if method is not None else build(config) if config is not None else None
         self.policy = build_policy(config) if config is not None else None
         self.pad_lengths = pad_lengths
         self.prompt_ids = prompt_ids if prompt_ids is not None else [[] for _ in pad_lengths]
         self.state: SeqState | None = None
+        self.held_sum = 0.0
+        self.held_steps = 0
         self.compress_seconds = 0.0
 
     def begin_step(self, token_valid: Tensor) -> None:
@@ -115,13 +121,17 @@ class CompressingCache(Cache):
             self.state = SeqState(prompt_len=q_len)
             return
         self.state.append(q_len)
-        if self.policy is None:
-            return
-        region = self.policy.plan(self.state)
-        if region is not None:
+        if self.policy is not None and (region := self.policy.plan(self.state)) is not None:
             t0 = time.perf_counter()
             self._compress(region)
             self.compress_seconds += time.perf_counter() - t0
+        self.held_sum += self._held()
+        self.held_steps += 1
+
+    def _held(self) -> float:
+        """Slots held for generated tokens over generated tokens seen (1 before any)."""
+        s = self.state
+        return (s.length - s.prompt_len) / max(1, s.logical_length - s.prompt_len)
 
     def _compress(self, region: Region) -> None:
         state = self.state
@@ -136,6 +146,7 @@ class CompressingCache(Cache):
             keys=torch.stack([layer.keys[:, :, span] for layer in self.layers], dim=1),
             n_compress=region.n_compress,
             seeds=tuple(stream_seed(ids, state.rounds) for ids in self.prompt_ids),
+            positions=tuple(region.start + dropped - pad for pad in self.pad_lengths),
         )
         selection = self.method.select(window, region.budget)
         for i, layer in enumerate(self.layers):
@@ -164,6 +175,8 @@ class CompressingCache(Cache):
                 physical_length=state.length - pad,
                 compressions=state.rounds,
                 compress_seconds=share,
+                held_mean=self.held_sum / self.held_steps if self.held_steps else 1.0,
+                held_end=self._held(),
             )
             for pad in self.pad_lengths
         ]

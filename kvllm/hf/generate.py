@@ -18,6 +18,7 @@ from kvllm.config import CompressionConfig
 from kvllm.generation import Generation, SeqStats
 from kvllm.hf import attention
 from kvllm.hf.cache import CompressingCache
+from kvllm.methods import Method
 
 
 def _next_tokens(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
@@ -45,6 +46,8 @@ def generate(
     seed: int = 0,
     stop_at_eos: bool = True,
     on_step: Callable[[int], None] | None = None,
+    forced: Sequence[Sequence[int]] | None = None,
+    method: Method | None = None,
 ) -> Generation:
     """Generate continuations of ``prompts`` as one left-padded batch.
 
@@ -65,6 +68,13 @@ def generate(
         out of the text, as ``model.generate`` pads them).
     on_step
         Called with the number of tokens generated so far (for progress bars).
+    forced
+        Teacher forcing: per prompt, the tokens to feed instead of sampled ones (a row
+        whose tokens run out is fed EOS and masked, like a row that stopped). The
+        result's ``predictions`` hold the model's argmax at every forced position, and
+        the cache compresses exactly as in free generation.
+    method
+        A selector instead of ``config.method``'s (the evaluation's oracle).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} is invalid: must be >= 1")
@@ -74,7 +84,14 @@ def generate(
     mask = enc["attention_mask"].to(device)
     pad_lengths = (mask.shape[1] - mask.sum(1)).tolist()
     prompt_ids = [row[pad:] for row, pad in zip(input_ids.tolist(), pad_lengths, strict=True)]
-    cache = CompressingCache(model.config, config, pad_lengths, prompt_ids)
+    cache = CompressingCache(model.config, config, pad_lengths, prompt_ids, method)
+    if forced is not None:
+        if len(forced) != len(prompts) or not all(forced):
+            raise ValueError("forced must hold one non-empty token list per prompt")
+        max_new_tokens = max(len(f) for f in forced)
+        fill = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        forced_ids = torch.tensor([list(f) + [fill] * (max_new_tokens - len(f)) for f in forced], device=device)
+    predictions: list[Tensor] = []
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     eos = tokenizer.eos_token_id if stop_at_eos else None
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -102,6 +119,9 @@ def generate(
         position = positions[:, -1:]
         for step in range(max_new_tokens):
             token = _next_tokens(logits, temperature, top_p, generator)
+            if forced is not None:
+                predictions.append(logits.argmax(-1))
+                token = forced_ids[:, step]
             if eos is not None:
                 token = token.masked_fill(done, eos)
                 newly = (token == eos) & ~done
@@ -127,11 +147,20 @@ def generate(
         model.set_attn_implementation(previous)
 
     generated = torch.stack(out, dim=1).tolist()
-    token_ids = [_until_eos(row, eos) for row in generated]
+    if forced is not None:
+        token_ids = [list(f) for f in forced]
+        preds = torch.stack(predictions, dim=1).tolist()
+        predicted = [row[: len(f)] for row, f in zip(preds, forced, strict=True)]
+    else:
+        token_ids = [_until_eos(row, eos) for row in generated]
+        predicted = None
     texts = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
     final = cache.stats()
     return Generation(
-        texts=texts, token_ids=token_ids, stats=[s if s is not None else f for s, f in zip(stats, final, strict=True)]
+        texts=texts,
+        token_ids=token_ids,
+        stats=[s if s is not None else f for s, f in zip(stats, final, strict=True)],
+        predictions=predicted,
     )
 
 

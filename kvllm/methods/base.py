@@ -48,12 +48,17 @@ class Window:
     seeds
         One random-stream key per sequence (:func:`stream_seed`), for methods that draw
         random numbers; ``None`` when the backend has none to give.
+    positions
+        Per sequence, the logical position of the span's first key (counting the
+        sequence's own tokens from 0), for selectors that look tokens up elsewhere (the
+        evaluation's oracle); ``None`` when the backend has none to give.
     """
 
     queries: Tensor
     keys: Tensor
     n_compress: int
     seeds: tuple[int, ...] | None = None
+    positions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         q, k = self.queries, self.keys
@@ -65,8 +70,10 @@ class Window:
             raise ValueError(f"{q.shape[3]} queries but only {k.shape[3]} keys in the span")
         if not 1 <= self.n_compress <= k.shape[3]:
             raise ValueError(f"n_compress={self.n_compress} must be in [1, {k.shape[3]}]")
-        if self.seeds is not None and len(self.seeds) != q.shape[0]:
-            raise ValueError(f"{len(self.seeds)} seeds for {q.shape[0]} sequences")
+        for name in ("seeds", "positions"):
+            value = getattr(self, name)
+            if value is not None and len(value) != q.shape[0]:
+                raise ValueError(f"{len(value)} {name} for {q.shape[0]} sequences")
 
     @property
     def group(self) -> int:

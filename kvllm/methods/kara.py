@@ -78,3 +78,42 @@ class KaraTopK(Method):
     def select(self, window: Window, budget: int) -> Selection:
         scores = attention_scores(window, causal=False)[..., : window.n_compress]
         return Selection(topk_sorted(scores, min(budget, window.n_compress)))
+
+
+@dataclass(frozen=True)
+class KaraFarParams(KaraParams):
+    """Kara's knobs plus the band of near tokens left out of scoring.
+
+    Attributes
+    ----------
+    band
+        A window query does not score keys fewer than ``band`` tokens from its own, in
+        [1, W + b - 1].
+    """
+
+    band: int = 8
+
+    def check(self, window: int, buffer: int) -> None:
+        super().check(window, buffer)
+        check_int(f"{FIELD}.band", self.band, 1, window + buffer - 1)
+
+
+@register
+class KaraFar(Kara):
+    """Kara scored only by distant queries (beyond the paper; docs/design.md, "kara-far").
+
+    Every compressible key is at least b tokens behind the first query that will read it
+    after the round, yet Kara's window scores are dominated by near attention (previous
+    token heads, the line being written), which no later query gives. This variant
+    masks keys fewer than ``band`` tokens from each window query before the softmax,
+    so the scores count only the attention that distant queries pay; the rest (the
+    bidirectional window, Token2Chunk) is Kara's. Its ablation is ``kara`` (band 0).
+    """
+
+    name = "kara-far"
+    Params = KaraFarParams
+
+    def select(self, window: Window, budget: int) -> Selection:
+        p = self.params
+        scores = attention_scores(window, causal=False, band=p.band)[..., : window.n_compress]
+        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))

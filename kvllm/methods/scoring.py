@@ -15,7 +15,7 @@ from kvllm.methods.base import Window
 _MAX_CHUNK_ELEMENTS = 1 << 19
 
 
-def attention_scores(window: Window, *, causal: bool, last_queries: int | None = None) -> Tensor:
+def attention_scores(window: Window, *, causal: bool, last_queries: int | None = None, band: int = 0) -> Tensor:
     """Column sums of softmax attention, per KV head, over the window's keys.
 
     ``A_g = softmax(Q_g K^T / sqrt(d))`` for every query head ``g`` of a KV head's GQA
@@ -30,6 +30,9 @@ def attention_scores(window: Window, *, causal: bool, last_queries: int | None =
         ``False`` gives Kara's bidirectional scoring.
     last_queries
         Use only the last this many queries (the SnapKV observation window).
+    band
+        Mask key ``i`` from query ``j`` when their tokens are fewer than ``band`` apart,
+        before the softmax (``kara-far``); a query with no key left adds nothing.
 
     Returns
     -------
@@ -47,10 +50,14 @@ def attention_scores(window: Window, *, causal: bool, last_queries: int | None =
     qf = q.reshape(heads, g * nq, d)
     kf = k.reshape(heads, n, d)
     mask = None
+    # Query j is the token at span position n - nq + j.
+    q_pos = torch.arange(n - nq, n, device=k.device).unsqueeze(1)
+    k_pos = torch.arange(n, device=k.device).unsqueeze(0)
     if causal:
-        # Query j is the token at span position n - nq + j.
-        q_pos = torch.arange(n - nq, n, device=k.device).unsqueeze(1)
-        mask = torch.arange(n, device=k.device).unsqueeze(0) > q_pos
+        mask = k_pos > q_pos
+    if band > 0:
+        near = (k_pos - q_pos).abs() < band
+        mask = near if mask is None else mask | near
     step = max(1, _MAX_CHUNK_ELEMENTS // (g * nq * n))
     out = torch.empty(heads, n, dtype=torch.float32, device=k.device)
     for lo in range(0, heads, step):
@@ -60,9 +67,11 @@ def attention_scores(window: Window, *, causal: bool, last_queries: int | None =
             logits.view(-1, g, nq, n).masked_fill_(mask, float("-inf"))
         # Softmax without materialising the normalised matrix: with E = exp(logits - max)
         # and row sums z, sum_j A[j, i] = sum_j E[j, i] / z_j, a single batched matvec.
-        logits -= logits.amax(dim=-1, keepdim=True)
+        peak = logits.amax(dim=-1, keepdim=True)
+        logits -= peak.clamp_min(torch.finfo(torch.float32).min)  # a fully masked row stays -inf
         exp = logits.exp_()
-        inv_z = exp.sum(dim=-1).reciprocal_().unsqueeze(1)
+        z = exp.sum(dim=-1)
+        inv_z = torch.where(z > 0, z.reciprocal(), torch.zeros_like(z)).unsqueeze(1)
         out[lo : lo + step] = torch.bmm(inv_z, exp).squeeze(1)
     return out.view(b, n_layers, hkv, n)
 

@@ -20,7 +20,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_cells_share_full_kv() -> None:
     grid = cells(["kara", "snapkv"], [0.2, 1.0], ["trace"])
-    assert grid == [(FULL, 1.0, "trace"), ("kara", 0.2, "trace"), ("snapkv", 0.2, "trace")]
+    assert grid == [(FULL, 1.0, "trace", "free"), ("kara", 0.2, "trace", "free"), ("snapkv", 0.2, "trace", "free")]
+    forced = cells(["kara"], [0.2], ["trace"], teacher_forced=True)
+    # Teacher-forced cells force the free Full-KV cell's completions: it always runs.
+    assert forced == [(FULL, 1.0, "trace", "free"), ("kara", 0.2, "trace", "teacher-forced")]
 
 
 def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -> None:
@@ -70,15 +73,15 @@ def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -
     assert again.exit_code == 0, again.output
     assert (out / "results.jsonl").read_text().splitlines() == lines  # resumed: nothing re-run
     assert set(load_results(out / "results.jsonl")) == {
-        (FULL, 1.0, "trace"),
-        *((m, 0.25, "trace") for m in ("kara", "snapkv")),
+        (FULL, 1.0, "trace", "free", 32, 8),
+        *((m, 0.25, "trace", "free", 32, 8) for m in ("kara", "snapkv")),
     }
 
 
 def test_eval_rejects_bad_grid(tiny: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["eval", "--model", str(tiny), "--out", str(tmp_path), "--retention", "0"])
     assert result.exit_code != 0
-    assert "retention=0.0" in result.output
+    assert "--retention 0.0 is invalid" in " ".join(result.output.split())
 
 
 def test_plot_of_a_full_kv_only_grid(tmp_path: Path) -> None:
@@ -110,3 +113,47 @@ def test_markdown_tables_put_full_kv_at_retention_one() -> None:
     assert "| kara | 25.0 | 50.0 |" in md
     # The mean over families: (75 + 25) / 2 and (100 + 50) / 2.
     assert md.split("**mean**")[1].count("| kara | 50.0 | 75.0 |") == 1
+
+
+def test_eval_teacher_forced_with_the_oracle(tmp_path: Path) -> None:
+    """On the shipped model (a random one writes no chain of thought to grade)."""
+    out = tmp_path / "tf"
+    args = ["eval", "--out", str(out), "--method", "kara,oracle", "--retention", "0.25,1.0"]
+    args += ["--family", "trace", "--n", "3", "--steps", "6", "--constants", "4", "--window", "32", "--buffer", "8"]
+    result = CliRunner().invoke(app, [*args, "--period", "4", "--batch-size", "3", "--teacher-forced"])
+    assert result.exit_code == 0, result.output
+    cells = load_results(out / "results.jsonl")
+    assert {(k[0], k[3]) for k in cells} == {
+        (FULL, "free"),
+        (FULL, "teacher-forced"),
+        ("kara", "teacher-forced"),
+        ("oracle", "teacher-forced"),
+    }
+    full_free = cells[(FULL, 1.0, "trace", "free", 32, 8)]
+    full_tf = cells[(FULL, 1.0, "trace", "teacher-forced", 32, 8)]
+    # Teacher-forced at retention 1.0 is Full KV, read for read.
+    assert full_tf.fidelity_generated == full_free.fidelity_generated > 0.9
+    assert [p["right"] for p in full_tf.problems] == [p["right"] for p in full_free.problems]
+    kara = cells[("kara", 0.25, "trace", "teacher-forced", 32, 8)]
+    assert kara.held_mean < 1.0 and kara.problems[0]["reads"] == full_free.problems[0]["reads"]
+    assert (out / "lookup.md").read_text().count("teacher-forced") >= 1
+    assert (out / "frontier.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--method", "oracle"], "--method oracle is invalid without --teacher-forced"),
+        (["--method", "nope"], "CompressionConfig.method='nope'"),
+        (["--family", "nope"], "--family 'nope' is invalid"),
+        (["--retention", "1.5"], "--retention 1.5 is invalid: must be in (0, 1]"),
+        (["--dev-seeds", "0:10", "--test-seeds", "5:20"], "overlap"),
+        (["--test-seeds", "20:10"], "--test-seeds '20:10' is invalid"),
+        (["--split", "train"], "--split 'train' is invalid"),
+        (["--n", "11", "--test-seeds", "0:10"], "--n 11 is invalid"),
+    ],
+)
+def test_eval_rejects_bad_flags(tiny: Path, tmp_path: Path, extra: list[str], fragment: str) -> None:
+    result = CliRunner().invoke(app, ["eval", "--model", str(tiny), "--out", str(tmp_path), *extra])
+    assert result.exit_code != 0
+    assert fragment in " ".join(result.output.split()), result.output

@@ -161,3 +161,44 @@ def test_bad_max_new_tokens(tokenizer) -> None:
     model = _model(tokenizer, "qwen3", 4, 2)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         generate(model, tokenizer, PROMPTS, None, 0)
+
+
+def test_teacher_forcing_goes_through_the_same_compression(tokenizer) -> None:
+    """Forcing a compressed run's own tokens through the same config reproduces its
+    argmax at every step (same rounds, same compaction), and forcing Full KV's tokens
+    at retention 1.0 reproduces Full KV exactly."""
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(window=32, buffer=8, period=4, retention=0.25)
+    free = generate(model, tokenizer, PROMPTS, cfg, 120, stop_at_eos=False)
+    forced = generate(model, tokenizer, PROMPTS, cfg, 1, stop_at_eos=False, forced=free.token_ids)
+    assert forced.token_ids == free.token_ids
+    assert forced.predictions == free.token_ids
+    assert [s.compressions for s in forced.stats] == [s.compressions for s in free.stats]
+    full = generate(model, tokenizer, PROMPTS, None, 120, stop_at_eos=False)
+    keep_all = generate(
+        model, tokenizer, PROMPTS, cfg.replace(retention=1.0), 1, stop_at_eos=False, forced=full.token_ids
+    )
+    assert keep_all.predictions == full.token_ids
+    # Compression changes what the model predicts somewhere along Full KV's own tokens.
+    squeezed = generate(
+        model, tokenizer, PROMPTS, cfg.replace(retention=0.1), 1, stop_at_eos=False, forced=full.token_ids
+    )
+    assert squeezed.predictions != full.token_ids
+
+
+def test_memory_held_for_generated_tokens(tokenizer) -> None:
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(window=32, buffer=8, period=4, retention=0.25)
+    full = generate(model, tokenizer, PROMPTS[:1], None, 120, stop_at_eos=False).stats[0]
+    assert full.held_mean == full.held_end == 1.0
+    got = generate(model, tokenizer, PROMPTS[:1], cfg, 120, stop_at_eos=False).stats[0]
+    generated = got.logical_length - len(tokenizer(PROMPTS[0])["input_ids"])
+    held = got.physical_length - len(tokenizer(PROMPTS[0])["input_ids"])
+    assert got.held_end == pytest.approx(held / generated)
+    assert got.held_end < got.held_mean < 1.0  # the share falls as rounds accumulate
+
+
+def test_bad_forced_tokens(tokenizer) -> None:
+    model = _model(tokenizer, "qwen3", 4, 2)
+    with pytest.raises(ValueError, match="one non-empty token list per prompt"):
+        generate(model, tokenizer, PROMPTS[:2], None, 4, forced=[[1, 2]])

@@ -113,6 +113,28 @@ def kara_scores(window: Window, bi: int, li: int, *, causal: bool) -> Tensor:
     return attn.view(k.shape[0], -1, k.shape[1]).sum(1)[:, : window.n_compress]
 
 
+def kara_far_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kara-far's spec: Kara's, with each query blind to keys fewer than ``band`` tokens
+    from its own (masked before the softmax; a query left with no key adds nothing)."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        q, k = window.queries[bi, li], window.keys[bi, li]
+        hq, nq, d = q.shape
+        n = k.shape[1]
+        krep = k.repeat_interleave(hq // k.shape[0], dim=0)
+        scores = torch.zeros(hq, n)
+        for j in range(nq):
+            pos = n - nq + j
+            far = [i for i in range(n) if abs(i - pos) >= params.band]
+            if far:
+                logits = (krep[:, far] @ q[:, j].unsqueeze(-1)).squeeze(-1)  # [Hq, len(far)]
+                scores[:, far] += (logits / math.sqrt(d)).softmax(-1)
+        s = scores.view(k.shape[0], -1, n).sum(1)[:, : window.n_compress]
+        return token2chunk(s, budget, params.rho, params.beta, params.max_gap).tolist()
+
+    return rows_to_mask(window, kept)
+
+
 def kara_reference(causal: bool, chunks: bool) -> Reference:
     def reference(window: Window, budget: int, params: Any) -> Tensor:
         def kept(bi: int, li: int) -> list[list[int]]:
@@ -328,6 +350,7 @@ REFERENCES: dict[str, Check] = {
     "kara": exact(kara_reference(causal=False, chunks=True)),
     "kara-causal": exact(kara_reference(causal=True, chunks=True)),
     "kara-topk": exact(kara_reference(causal=False, chunks=False)),
+    "kara-far": exact(kara_far_reference),
     "snapkv": exact(snapkv_reference),
     "pyramidkv": exact(pyramidkv_reference),
     "adakv": exact(adakv_reference),

@@ -1,0 +1,221 @@
+"""Retrieval grades: does the chain of thought read back what was written?
+
+Decoding-time compression endangers one thing above all: re-reading a value that the
+model itself wrote earlier in its chain of thought. The generated tasks
+(:mod:`kvllm.eval.tasks`) write every operand as ``name`` + two digits, so each read can
+be checked against the value the model itself last wrote for that name, whatever the
+model's arithmetic:
+
+- **lookup fidelity**: the share of operand reads that equal that value, split by where
+  the value came from (the prompt's constants, or a line the model generated) and by how
+  many tokens back it was written (:data:`BUCKETS`, in multiples of the window W);
+- **self-recall** (gen-needle): the final answer equals the value the model wrote for
+  ``key`` in its first line.
+
+A read whose name the model never wrote (and the prompt never defined) has no source and
+is not counted; neither are lines out of format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvllm.eval.tasks import END_THINK, extract_answer
+
+# `ce = bo + ku = bo41 + ku13 = ce54`: the statement, its two reads, its result.
+_LINE = re.compile(r"^ ?(\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d{2}) ([+-]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
+_CONSTANT = re.compile(r"^ ?([a-z]+)(\d{2})$")
+_KEY = re.compile(r"^ ?key = \d{2} [+-] \d{2} = key(\d{2})$")
+#: Distance buckets, as (label, low, high) in multiples of W: [low * W, high * W).
+BUCKETS: tuple[tuple[str, float, float], ...] = (
+    ("<W", 0, 1),
+    ("W-2W", 1, 2),
+    ("2W-4W", 2, 4),
+    (">4W", 4, float("inf")),
+)
+
+
+@dataclass(frozen=True)
+class Read:
+    """One operand read of the chain of thought.
+
+    Attributes
+    ----------
+    name
+        The variable read.
+    start
+        Character offset of the read's two digits in the completion.
+    right
+        Whether the digits equal the value last written for ``name``.
+    expected
+        That value.
+    source
+        ``"prompt"`` (a constant) or ``"generated"`` (a line of the completion).
+    distance
+        Tokens between the read's digits and the source's digits (``None`` without offsets).
+    """
+
+    name: str
+    start: int
+    right: bool
+    expected: int
+    source: str
+    distance: int | None = None
+
+
+@dataclass
+class LookupTally:
+    """Counts of one completion (or many, added up): reads and right reads per source and
+    per distance bucket of generated reads."""
+
+    reads: dict[str, int] = field(default_factory=lambda: {"prompt": 0, "generated": 0})
+    right: dict[str, int] = field(default_factory=lambda: {"prompt": 0, "generated": 0})
+    bucket_reads: dict[str, int] = field(default_factory=lambda: {b[0]: 0 for b in BUCKETS})
+    bucket_right: dict[str, int] = field(default_factory=lambda: {b[0]: 0 for b in BUCKETS})
+    malformed_lines: int = 0
+
+    def add(self, read: Read, window: int) -> None:
+        self.reads[read.source] += 1
+        self.right[read.source] += read.right
+        if read.source == "generated" and read.distance is not None:
+            label = bucket(read.distance, window)
+            self.bucket_reads[label] += 1
+            self.bucket_right[label] += read.right
+
+
+def bucket(distance: int, window: int) -> str:
+    """The :data:`BUCKETS` label of a distance in tokens."""
+    for label, lo, hi in BUCKETS:
+        if lo * window <= distance < hi * window:
+            return label
+    raise ValueError(f"distance={distance} is invalid: must be >= 0")
+
+
+def prompt_constants(prompt: str) -> dict[str, tuple[int, int]]:
+    """The constants a prompt defines (``bo41`` lines; the needle ``code`` too): name ->
+    (value, character offset of its digits)."""
+    out = {}
+    offset = 0
+    for line in prompt.split("\n"):
+        if m := _CONSTANT.match(line):
+            out[m.group(1)] = (int(m.group(2)), offset + m.start(2))
+        offset += len(line) + 1
+    return out
+
+
+def reads(
+    prompt: str,
+    completion: str,
+    token_of: Sequence[int] | None = None,
+    prompt_token_of: Sequence[int] | None = None,
+) -> list[Read]:
+    """Every operand read of ``completion``'s chain of thought, graded.
+
+    Parameters
+    ----------
+    prompt, completion
+        The task's prompt and the model's completion (text after the prompt).
+    token_of, prompt_token_of
+        Per character of the completion and of the prompt, the index of its token
+        (:func:`char_to_token`); with both, each read gets its distance in tokens.
+    """
+    n_prompt = (prompt_token_of[-1] + 1) if prompt_token_of else 0
+    positioned = token_of is not None and prompt_token_of is not None
+
+    def position(start: int) -> int | None:
+        return n_prompt + token_of[start] if positioned else None
+
+    constants = {
+        name: (value, prompt_token_of[c] if positioned else None)
+        for name, (value, c) in prompt_constants(prompt).items()
+    }
+    written: dict[str, tuple[int, int | None]] = {}  # name -> (value, position of its digits)
+    out: list[Read] = []
+    offset = 0
+    for line in completion.split(END_THINK)[0].split("\n"):
+        if m := _LINE.match(line):
+            for name_group, digits_group in ((5, 6), (8, 9)):
+                name, value = m.group(name_group), int(m.group(digits_group))
+                start = offset + m.start(digits_group)
+                if name in written:
+                    (expected, src), source = written[name], "generated"
+                elif name in constants:
+                    (expected, src), source = constants[name], "prompt"
+                else:
+                    continue
+                here = position(start)
+                distance = here - src if here is not None and src is not None else None
+                out.append(Read(name, start, value == expected, expected, source, distance))
+            written[m.group(10)] = (int(m.group(11)), position(offset + m.start(11)))
+        elif k := _KEY.match(line):
+            written["key"] = (int(k.group(1)), position(offset + k.start(1)))
+        offset += len(line) + 1
+    return out
+
+
+def malformed_lines(completion: str) -> int:
+    """Chain-of-thought lines that are neither a statement nor gen-needle's key line."""
+    body = completion.split(END_THINK)[0]
+    lines = [line for line in body.split("\n") if line.strip()]
+    return sum(1 for line in lines if not (_LINE.match(line) or _KEY.match(line)))
+
+
+def self_recall(completion: str) -> bool:
+    """gen-needle: the final answer equals the value the model wrote for ``key`` first."""
+    for line in completion.split("\n"):
+        if m := _KEY.match(line):
+            return extract_answer(completion) == m.group(1)
+        if line.strip():
+            return False  # the first line is not the key line
+    return False
+
+
+def tally(
+    prompt: str,
+    completion: str,
+    window: int,
+    token_of: Sequence[int] | None = None,
+    prompt_token_of: Sequence[int] | None = None,
+) -> LookupTally:
+    """A :class:`LookupTally` of one completion."""
+    t = LookupTally()
+    for read in reads(prompt, completion, token_of, prompt_token_of):
+        t.add(read, window)
+    t.malformed_lines = malformed_lines(completion)
+    return t
+
+
+def char_to_token(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
+    """The decoded text of ``ids`` and, per character, the index of its token.
+
+    Token by token when the pieces add up to the whole decoding (they do for the shipped
+    tokenizer), else by decoding prefixes, which holds for any prefix-stable tokenizer.
+    """
+    ids = list(ids)
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    pieces = [tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+    if "".join(pieces) == whole:
+        return whole, [i for i, piece in enumerate(pieces) for _ in piece]
+    text, owner = "", []
+    for i in range(len(ids)):
+        prefix = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+        owner += [i] * (len(prefix) - len(text))
+        text = prefix
+    return text, owner
+
+
+def forced_tally(tokenizer, prompt: str, forced: Sequence[int], predictions: Sequence[int], window: int) -> LookupTally:
+    """Teacher-forced lookup fidelity: a read of the forced completion is right when the
+    model's argmax at its digit tokens spells the value last written for its name."""
+    text, owner = char_to_token(tokenizer, forced)
+    _, prompt_owner = char_to_token(tokenizer, tokenizer(prompt)["input_ids"])
+    t = LookupTally()
+    for read in reads(prompt, text, owner, prompt_owner):
+        digits = sorted({owner[read.start], owner[read.start + 1]})
+        spelled = tokenizer.decode([predictions[i] for i in digits], skip_special_tokens=True).strip()
+        t.add(dataclasses.replace(read, right=spelled == f"{read.expected:02d}"), window)
+    t.malformed_lines = malformed_lines(text)
+    return t
