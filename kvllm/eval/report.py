@@ -72,7 +72,12 @@ def plot_accuracy(results: Sequence[CellResult], path: Path, title: str = "") ->
         ax.set_title(family)
         ax.set_xlabel("retention")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("accuracy (%)")
+    return _save(fig, axes, "accuracy (%)", title, path)
+
+
+def _save(fig, axes, ylabel: str, title: str, path: Path) -> Path:
+    """Label, title and write a row of panels, then free the figure."""
+    axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=7, loc="lower right")
     if title:
         fig.suptitle(title)
@@ -215,7 +220,8 @@ def _distance_markdown(results: Sequence[CellResult]) -> list[str]:
 def plot_frontier(results: Sequence[CellResult], path: Path, title: str = "") -> Path:
     """Generated-read fidelity vs time-averaged memory held, a panel per (family, mode),
     a line per method (its retentions and W/b points), 95% bootstrap bars."""
-    rows = [r for r in lookup_rows(results) if r["method"] != FULL]
+    every = lookup_rows(results)  # bootstraps every cell: once per plot
+    rows = [r for r in every if r["method"] != FULL]
     panels = sorted({(r["family"], r["mode"]) for r in rows})
     if not panels:
         return path
@@ -231,17 +237,10 @@ def plot_frontier(results: Sequence[CellResult], path: Path, title: str = "") ->
             if method == "oracle":
                 style = {"linewidth": 2.0, "color": "tab:red", "linestyle": "--"}
             ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=2, label=method, **style)
-        full = [r for r in lookup_rows(results) if r["method"] == FULL and (r["family"], r["mode"]) == (family, mode)]
+        full = [r for r in every if r["method"] == FULL and (r["family"], r["mode"]) == (family, mode)]
         for r in full:
             ax.axhline(r["fidelity"], color="grey", linestyle=":", label="Full KV")
         ax.set_title(f"{family}, {mode}")
         ax.set_xlabel("KV held for generated tokens (time-averaged share)")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("generated-read lookup fidelity")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, "generated-read lookup fidelity", title, path)

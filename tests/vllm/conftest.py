@@ -61,3 +61,18 @@ def greedy(max_tokens: int, **extra: Any) -> Any:
     from vllm import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+
+
+@contextmanager
+def serving(process: Any, base: str, log: Any) -> Iterator[str]:
+    """A started server's base URL once ``/health`` answers (else fail with its log), stopped after."""
+    from kvllm.vllm.launch import stop, wait_healthy
+
+    try:
+        try:
+            wait_healthy(process, base, timeout=300)
+        except (RuntimeError, TimeoutError) as err:
+            pytest.fail(f"{err}:\n{log.read_text()[-3000:]}")
+        yield base
+    finally:
+        stop(process)

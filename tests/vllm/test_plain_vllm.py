@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from kvllm.vllm.engine import API_SERVER_MODULE, scheduler_of, shutdown
-from kvllm.vllm.launch import start_server, stop, wait_healthy
-from tests.vllm.conftest import PROMPTS, greedy
+from kvllm.vllm.launch import start_server
+from tests.vllm.conftest import PROMPTS, greedy, serving
 from tests.vllm.test_server import TEMPLATE, _free_port
 
 KVLLM = {"window": 32, "buffer": 8, "period": 4, "retention": 0.25}
@@ -89,14 +89,8 @@ def _env() -> dict[str, str]:
 def vllm_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
     process, base = start_server(tiny_model, _free_port(), _flags(KVLLM), log=log, env=_env(), vllm=True)
-    try:
-        try:
-            wait_healthy(process, base, timeout=300)
-        except (RuntimeError, TimeoutError) as err:
-            pytest.fail(f"{err}:\n{log.read_text()[-3000:]}")
-        yield base
-    finally:
-        stop(process)
+    with serving(process, base, log) as url:
+        yield url
 
 
 def test_vllm_api_server_with_only_vllm_flags(vllm_server: str, tiny_model: str) -> None:

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from kvllm.vllm.launch import start_server, stop, wait_healthy
-from tests.vllm.conftest import PROMPTS
+from kvllm.vllm.launch import start_server
+from tests.vllm.conftest import PROMPTS, serving
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
@@ -33,14 +33,8 @@ def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     flags += ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "128", "--max-num-seqs", "32"]
     flags += ["--chat-template", TEMPLATE]
     process, base = start_server(tiny_model, _free_port(), flags, log=log, env=env)
-    try:
-        try:
-            wait_healthy(process, base, timeout=300)
-        except (RuntimeError, TimeoutError) as err:
-            pytest.fail(f"{err}:\n{log.read_text()[-3000:]}")
-        yield base
-    finally:
-        stop(process)
+    with serving(process, base, log) as url:
+        yield url
 
 
 def _client(base: str) -> openai.AsyncOpenAI:
