@@ -23,6 +23,8 @@ from kvllm.methods.base import MethodParams, available, method_class
 
 PolicyName = Literal["periodic", "threshold"]
 POLICIES: tuple[str, ...] = ("periodic", "threshold")
+AdmissionName = Literal["projected", "vllm"]
+ADMISSIONS: tuple[str, ...] = ("projected", "vllm")
 F = "CompressionConfig"
 
 
@@ -56,6 +58,11 @@ class CompressionConfig:
         under that policy.
     threshold_interval
         ThresholdPolicy: a round triggers at ``threshold_budget + threshold_interval``.
+    admission
+        vLLM engines only: ``"projected"`` admits a waiting request only while every
+        request's projected physical footprint fits the pool at every future step
+        (docs/design.md, "Admission"); ``"vllm"`` keeps vLLM's rule (admit when the
+        prompt fits). Engine-wide; a request cannot override it.
     params
         Overrides of the method's own parameters (its ``Params`` dataclass, e.g.
         :class:`kvllm.methods.kara.KaraParams`); unset fields keep the method's defaults.
@@ -74,6 +81,7 @@ class CompressionConfig:
     policy: PolicyName = "periodic"
     threshold_budget: int = 512
     threshold_interval: int = 128
+    admission: AdmissionName = "projected"
     # Excluded from the hash (a dict is unhashable); equality still compares it.
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -95,6 +103,7 @@ class CompressionConfig:
         lo = self.window + 1 if self.policy == "threshold" else 1
         check_int(f"{F}.threshold_budget", self.threshold_budget, lo)
         check_int(f"{F}.threshold_interval", self.threshold_interval, 1)
+        check_choice(f"{F}.admission", self.admission, ADMISSIONS)
         if isinstance(self.params, MethodParams):
             object.__setattr__(self, "params", dataclasses.asdict(self.params))
         if not isinstance(self.params, Mapping):

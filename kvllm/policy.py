@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
 
 from kvllm.config import CompressionConfig
 
@@ -146,3 +149,31 @@ class ThresholdPolicy(Policy):
 def build_policy(config: CompressionConfig) -> Policy:
     """The policy named by ``config.policy``."""
     return {"periodic": PeriodicWindowPolicy, "threshold": ThresholdPolicy}[config.policy](config)
+
+
+def physical_growth(config: CompressionConfig, steps: int) -> np.ndarray:
+    """Slots a sequence needs at each of its first ``steps`` decode steps, past its prompt.
+
+    Entry k is what decode step k holds once that step's round (if any) has run: the
+    kept history, the tail and the slot of the token it writes. The policies read only
+    lengths relative to the protected prefix, so one array serves every prompt length;
+    a scheduler adds the prompt to project a request's physical footprint
+    (docs/design.md, "Admission").
+    """
+    return _growth(config, 1 << max(0, steps - 1).bit_length())[:steps]
+
+
+@lru_cache(maxsize=64)
+def _growth(config: CompressionConfig, steps: int) -> np.ndarray:
+    # Replays the policy as the scheduler runs it: plan, commit, then write one token.
+    policy = build_policy(config)
+    state = SeqState(prompt_len=0)
+    out = np.empty(steps, dtype=np.int64)
+    for k in range(steps):
+        region = policy.plan(state)
+        if region is not None:
+            policy.commit(state, region)
+        out[k] = state.length + 1
+        state.append(1)
+    out.flags.writeable = False
+    return out

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvllm import CompressionConfig
-from kvllm.policy import PeriodicWindowPolicy, SeqState, ThresholdPolicy, build_policy
+from kvllm.policy import PeriodicWindowPolicy, SeqState, ThresholdPolicy, build_policy, physical_growth
 
 
 def _simulate(cfg: CompressionConfig, prompt: int, steps: int) -> tuple[SeqState, list[int], list[int]]:
@@ -89,3 +89,23 @@ def test_threshold_recompresses_generated_region_to_budget(prompt: int, steps: i
         # Each round leaves `budget` generated slots, then `interval` more trigger it.
         assert all(b - a == interval for a, b in itertools.pairwise(rounds))
     assert state.logical_length == prompt + steps
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt=st.integers(1, 50),
+    steps=st.integers(0, 500),
+    period=st.integers(1, 32),
+    threshold=st.booleans(),
+)
+def test_physical_growth_is_the_simulated_length(prompt: int, steps: int, period: int, threshold: bool) -> None:
+    """Admission's projection replays the policy: at decode step k a sequence holds the
+    slots left after that step's round, plus the one its new token is written to."""
+    if threshold:
+        cfg = CompressionConfig(policy="threshold", window=32, buffer=8, threshold_budget=100, threshold_interval=40)
+    else:
+        cfg = CompressionConfig(window=32, buffer=8, period=period, retention=0.25)
+    growth = physical_growth(cfg, steps + 1)
+    assert len(growth) == steps + 1 and not growth.flags.writeable
+    state, _, _ = _simulate(cfg, prompt, steps)
+    assert growth[steps] == state.length - prompt + 1

@@ -26,11 +26,13 @@ from kvllm.config import CompressionConfig
 from kvllm.methods import stream_seed
 from kvllm.policy import Policy, SeqState, build_policy
 from kvllm.vllm import metrics
+from kvllm.vllm.admission import Footprint, admission_cap, footprint
 from kvllm.vllm.plan import Compaction, StepPlan
 from kvllm.vllm.settings import check_vllm_config, request_config
 
 logger = logging.getLogger(__name__)
 DROPPED = "kvllm_dropped"
+CONFIG = "kvllm_config"
 
 
 def block_pool_used(scheduler: Scheduler) -> int:
@@ -52,6 +54,10 @@ class PhysicalKVCacheManager(KVCacheManager):
             return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         finally:
             request.num_computed_tokens += dropped
+
+    def held_blocks(self, request_id: str) -> int:
+        """KV blocks the request holds (its first group's; all groups match here)."""
+        return len(self.coordinator.single_type_managers[0].req_to_blocks.get(request_id, ()))
 
     def free_trailing_blocks(self, request_id: str, num_tokens: int) -> int:
         """Return the blocks past the first ``num_tokens`` slots to the pool."""
@@ -132,7 +138,18 @@ class CompressingScheduler(Scheduler):
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         plan = self._plan() if self.kv_config is not None else None
-        output = super().schedule(*args, **kwargs)
+        limit = self.max_num_active_reqs
+        if plan is not None and self.kv_config.admission == "projected" and self.waiting:
+            # vLLM's admission loop stops at this cap; lowering it for one step is the
+            # whole change, so vLLM still decides everything else (budgets, prefix, order).
+            pool = self.kv_cache_manager.block_pool
+            self.max_num_active_reqs = admission_cap(
+                self.running, self.waiting, self._footprint, pool.num_gpu_blocks - 1, self.block_size, limit
+            )
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_active_reqs = limit
         if plan is not None:
             # A request preempted in this very schedule() lost its blocks: nothing to compact.
             gone = output.preempted_req_ids or set()
@@ -143,15 +160,28 @@ class CompressingScheduler(Scheduler):
             output.kvllm = plan
         return output
 
-    def _tracked(self, request: Request) -> RequestCompression:
-        entry = self.kv_requests.get(request.request_id)
-        if entry is None:
+    def _config(self, request: Request) -> CompressionConfig | None:
+        # Cached on the request: admission asks for it every step while it waits.
+        if not hasattr(request, CONFIG):
             try:
                 params = request.sampling_params
                 config = request_config(self.kv_config, params.extra_args if params is not None else None)
             except ValueError as err:  # validated at the API boundary; never fail the engine
                 logger.warning("request %s: compression off: %s", request.request_id, err)
                 config = None
+            setattr(request, CONFIG, config)
+        return getattr(request, CONFIG)
+
+    def _footprint(self, request: Request) -> Footprint:
+        entry = self.kv_requests.get(request.request_id)
+        if entry is None:  # not decoding yet
+            return footprint(request, self._config(request), None, self.max_model_len)
+        return footprint(request, entry.config, entry.state.prompt_len, self.max_model_len)
+
+    def _tracked(self, request: Request) -> RequestCompression:
+        entry = self.kv_requests.get(request.request_id)
+        if entry is None:
+            config = self._config(request)
             # Everything computed before decoding starts (the prompt, or all tokens of a
             # request recomputed after preemption) is protected: its queries were not kept.
             state = SeqState(prompt_len=request.num_computed_tokens)
