@@ -18,9 +18,11 @@ from rich.table import Table
 
 from kvllm.bench.throughput import SYSTEMS, UNCOMPRESSED
 
-BASELINE = "vanilla"
+# Ratios are to vLLM at its defaults when that ran, else to the constrained vanilla.
+BASELINES = ("vanilla-default", "vanilla")
 SCALARS = (
     "system",
+    "pool",
     "pool_blocks",
     "concurrency",
     "repeat",
@@ -31,6 +33,8 @@ SCALARS = (
     "mean_tpot_ms",
     "mean_ttft_s",
     "peak_running",
+    "mean_running",
+    "mean_step_ms",
     "preemptions",
     "rounds",
     "compress_seconds",
@@ -42,55 +46,95 @@ SCALARS = (
 )
 
 
+def baseline_of(rows: Sequence[dict[str, Any]]) -> str:
+    """The system ratios are taken to (:data:`BASELINES`, the first that ran)."""
+    ran = {r["system"] for r in rows}
+    return next((b for b in BASELINES if b in ran), BASELINES[-1])
+
+
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per pool and concurrency: each system's tok/s (mean, min, max) and its ratio to
-    vanilla, taken within each repeat and then averaged over repeats."""
+    the baseline, taken within each repeat and then averaged over repeats (with the
+    min and max of those ratios).
+
+    ``limit``: each compressing system in the smallest pool over the baseline in the
+    largest one (the ceiling, when that pool is unpressured), within repeats.
+    """
+    base = baseline_of(rows)
     by = {(r["system"], r["pool_blocks"], r["concurrency"], r["repeat"]): r for r in rows}
+    labels = {r["pool_blocks"]: str(r.get("pool", r["pool_blocks"])) for r in rows}
+    pools = sorted(labels)
     cells: list[dict[str, Any]] = []
-    for pool in sorted({r["pool_blocks"] for r in rows}):
+    for pool in pools:
         for c in sorted({r["concurrency"] for r in rows}):
             for system in [s for s in SYSTEMS if any(k[0] == s for k in by)]:
                 mine = [v for k, v in by.items() if k[:3] == (system, pool, c)]
                 if not mine:
                     continue
                 tok = [r["tok_s"] for r in mine]
-                ratios = [
-                    r["tok_s"] / by[(BASELINE, pool, c, r["repeat"])]["tok_s"]
-                    for r in mine
-                    if (BASELINE, pool, c, r["repeat"]) in by
-                ]
+                ratios = _ratios(by, mine, (base, pool, c))
                 cells.append(
                     {
                         "system": system,
+                        "pool": labels[pool],
                         "pool_blocks": pool,
                         "concurrency": c,
                         "repeats": len(mine),
                         "tok_s_mean": round(statistics.fmean(tok), 1),
                         "tok_s_min": min(tok),
                         "tok_s_max": max(tok),
-                        "ratio_to_vanilla": round(statistics.fmean(ratios), 4) if ratios else None,
+                        "ratio": round(statistics.fmean(ratios), 4) if ratios else None,
+                        "ratio_min": round(min(ratios), 4) if ratios else None,
+                        "ratio_max": round(max(ratios), 4) if ratios else None,
                         "mean_tpot_ms": round(statistics.fmean(r["mean_tpot_ms"] for r in mine), 2),
+                        "mean_step_ms": round(statistics.fmean(r.get("mean_step_ms", 0.0) for r in mine), 2),
                         "peak_running": max(r["peak_running"] for r in mine),
+                        "mean_running": round(statistics.fmean(r.get("mean_running", 0.0) for r in mine), 1),
                         "preemptions": round(statistics.fmean(r["preemptions"] for r in mine), 1),
                         "rounds": round(statistics.fmean(r["rounds"] for r in mine), 1),
                         "compress_share": round(statistics.fmean(r["compress_share"] for r in mine), 4),
                     }
                 )
-    averages = defaultdict(dict)
+    averages: dict[str, dict[str, float]] = defaultdict(dict)
     for system in {c["system"] for c in cells}:
-        for pool in {c["pool_blocks"] for c in cells}:
-            ratios = [
-                c["ratio_to_vanilla"]
-                for c in cells
-                if c["system"] == system and c["pool_blocks"] == pool and c["ratio_to_vanilla"]
-            ]
+        for pool in pools:
+            ratios = [c["ratio"] for c in cells if (c["system"], c["pool_blocks"]) == (system, pool) and c["ratio"]]
             if ratios:
-                averages[system][str(pool)] = round(statistics.fmean(ratios), 4)
-    return {"cells": cells, "mean_ratio_to_vanilla": dict(averages)}
+                averages[system][labels[pool]] = round(statistics.fmean(ratios), 4)
+    limit = []
+    if len(pools) > 1:
+        for cell in cells:
+            if cell["pool_blocks"] != pools[0] or cell["system"] in UNCOMPRESSED:
+                continue
+            mine = [v for k, v in by.items() if k[:3] == (cell["system"], pools[0], cell["concurrency"])]
+            ratios = _ratios(by, mine, (base, pools[-1], cell["concurrency"]))
+            if ratios:
+                limit.append(
+                    {
+                        "system": cell["system"],
+                        "concurrency": cell["concurrency"],
+                        "ratio": round(statistics.fmean(ratios), 4),
+                        "ratio_min": round(min(ratios), 4),
+                        "ratio_max": round(max(ratios), 4),
+                    }
+                )
+    return {
+        "baseline": base,
+        "tight_pool": labels[pools[0]],
+        "ceiling_pool": labels[pools[-1]],
+        "cells": cells,
+        "mean_ratio": dict(averages),
+        "limit": limit,
+    }
+
+
+def _ratios(by: dict[tuple, dict[str, Any]], mine: list[dict[str, Any]], to: tuple[str, int, int]) -> list[float]:
+    """tok/s of each of ``mine`` over ``to``'s (system, pool, concurrency) in the same repeat."""
+    return [r["tok_s"] / by[(*to, r["repeat"])]["tok_s"] for r in mine if (*to, r["repeat"]) in by]
 
 
 def write_report(rows: Sequence[dict[str, Any]], out: Path, title: str = "") -> dict[str, Any]:
-    """results.csv, results.json (with pool-usage traces), summary.json, and two PNGs."""
+    """results.csv, results.json (with pool-usage traces), summary.json/md, and three PNGs."""
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(rows, key=lambda r: (r["pool_blocks"], r["concurrency"], r["system"], r["repeat"]))
     with (out / "results.csv").open("w", newline="") as f:
@@ -102,27 +146,55 @@ def write_report(rows: Sequence[dict[str, Any]], out: Path, title: str = "") -> 
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(markdown_table(summary))
     plot_throughput(summary, out / "throughput.png", title)
+    plot_ratios(summary, out / "ratios.png", title)
     plot_usage(rows, out / "pool_usage.png")
     return summary
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
-    """The summary as a Markdown table: a row per pool and concurrency, a column per system."""
+    """The summary as Markdown: a row per pool and concurrency, a column per system;
+    then the limit rows, when the run had a ceiling pool."""
+    base = summary["baseline"]
     systems = [s for s in SYSTEMS if any(c["system"] == s for c in summary["cells"])]
-    head = ["pool", "C", *systems, *(f"{s} / vanilla" for s in systems if s != BASELINE)]
+    others = [s for s in systems if s != base]
+    head = ["pool", "C", *systems, *(f"{s} / {base}" for s in others)]
     head += [f"preempt. ({s})" for s in systems] + [f"rounds ({s})" for s in systems if s not in UNCOMPRESSED]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     keys = sorted({(c["pool_blocks"], c["concurrency"]) for c in summary["cells"]})
     for pool, conc in keys:
         by = {c["system"]: c for c in summary["cells"] if (c["pool_blocks"], c["concurrency"]) == (pool, conc)}
-        row = [str(pool), str(conc)]
-        row += [f"{by[s]['tok_s_mean']:.0f} [{by[s]['tok_s_min']:.0f}-{by[s]['tok_s_max']:.0f}]" for s in systems]
-        ratios = [by[s]["ratio_to_vanilla"] for s in systems if s != BASELINE]
-        row += ["-" if r is None else f"{r:.2f}" for r in ratios]
-        row += [f"{by[s]['preemptions']:.0f}" for s in systems]
-        row += [f"{by[s]['rounds']:.0f}" for s in systems if s not in UNCOMPRESSED]
+        label = next(iter(by.values()))["pool"]
+        row = [label if label == str(pool) else f"{label} ({pool})", str(conc)]
+        row += [_cell(by.get(s), "tok_s", "{:.0f}") for s in systems]
+        row += [_cell(by.get(s), "ratio", "{:.2f}") for s in others]
+        row += ["-" if s not in by else f"{by[s]['preemptions']:.0f}" for s in systems]
+        row += ["-" if s not in by else f"{by[s]['rounds']:.0f}" for s in systems if s not in UNCOMPRESSED]
         lines.append("| " + " | ".join(row) + " |")
+    if summary["limit"]:
+        lines += [
+            "",
+            f"Limit: each system in pool {summary['tight_pool']} over {base} in pool {summary['ceiling_pool']}, "
+            "within repeats, mean [min-max]:",
+            "",
+            "| system | C | ratio |",
+            "| --- | --- | --- |",
+        ]
+        lines += [
+            f"| {r['system']} | {r['concurrency']} | {r['ratio']:.2f} [{r['ratio_min']:.2f}-{r['ratio_max']:.2f}] |"
+            for r in summary["limit"]
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _cell(cell: dict[str, Any] | None, key: str, fmt: str) -> str:
+    """``mean [min-max]`` of a summary cell's figure (tok_s or ratio), '-' when absent."""
+    if cell is None or cell.get(f"{key}_mean" if key == "tok_s" else key) is None:
+        return "-"
+    mean = cell["tok_s_mean"] if key == "tok_s" else cell[key]
+    lo, hi = cell[f"{key}_min"], cell[f"{key}_max"]
+    if key == "ratio" and cell["repeats"] == 1:
+        return fmt.format(mean)
+    return f"{fmt.format(mean)} [{fmt.format(lo)}-{fmt.format(hi)}]"
 
 
 def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Path:
@@ -149,7 +221,7 @@ def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Pat
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({c["concurrency"] for c in summary["cells"]}))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_title(f"KV pool {pool} blocks")
+        ax.set_title(f"KV pool {_label(summary, pool)}")
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel("output tokens/s")
         ax.grid(alpha=0.3)
@@ -160,6 +232,55 @@ def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Pat
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_ratios(summary: dict[str, Any], path: Path, title: str = "") -> Path:
+    """Each system's tok/s over the baseline's vs concurrency (min-max bars), a panel per
+    pool; the tight pool's panel also draws the limit rows (dashed: over the ceiling)."""
+    pools = sorted({c["pool_blocks"] for c in summary["cells"]})
+    fig, axes = plt.subplots(1, len(pools), figsize=(5 * len(pools), 4), squeeze=False)
+    colors = {s: f"C{i}" for i, s in enumerate(SYSTEMS)}
+    for ax, pool in zip(axes[0], pools, strict=True):
+        for system in SYSTEMS:
+            mine = sorted(
+                (c for c in summary["cells"] if (c["system"], c["pool_blocks"]) == (system, pool) and c["ratio"]),
+                key=lambda c: c["concurrency"],
+            )
+            if system == summary["baseline"] or not mine:
+                continue
+            _ratio_line(ax, mine, system, colors[system], "-")
+            if pool == pools[0] and summary["limit"]:
+                limit = sorted((r for r in summary["limit"] if r["system"] == system), key=lambda r: r["concurrency"])
+                if limit:
+                    _ratio_line(ax, limit, f"{system} / ceiling", colors[system], "--")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({c["concurrency"] for c in summary["cells"]}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_title(f"KV pool {_label(summary, pool)}")
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel(f"output tok/s / {summary['baseline']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _ratio_line(ax: Any, points: list[dict[str, Any]], label: str, color: str, style: str) -> None:
+    xs = [p["concurrency"] for p in points]
+    ys = [p["ratio"] for p in points]
+    err = [[max(0.0, y - p["ratio_min"]) for y, p in zip(ys, points, strict=True)]]
+    err.append([max(0.0, p["ratio_max"] - y) for y, p in zip(ys, points, strict=True)])
+    ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=3, label=label, color=color, linestyle=style)
+
+
+def _label(summary: dict[str, Any], pool: int) -> str:
+    label = next(c["pool"] for c in summary["cells"] if c["pool_blocks"] == pool)
+    return f"{label} ({pool} blocks)" if label != str(pool) else f"{pool} blocks"
 
 
 def plot_usage(rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -184,13 +305,14 @@ def plot_usage(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def summary_rich(summary: dict[str, Any]) -> Table:
     """The summary's cells as one rich table (tok/s means, ratios within repeats)."""
-    table = Table(title="output tok/s (mean of repeats) and ratio to vanilla (within repeats)")
-    for col in ("pool", "concurrency", "system", "tok/s", "x vanilla", "preempt", "rounds", "compress %"):
+    base = summary["baseline"]
+    table = Table(title=f"output tok/s (mean of repeats) and ratio to {base} (within repeats)")
+    for col in ("pool", "concurrency", "system", "tok/s", f"x {base}", "preempt", "rounds", "compress %"):
         table.add_column(col, justify="right")
     for c in summary["cells"]:
-        ratio = "" if c["ratio_to_vanilla"] is None else f"{c['ratio_to_vanilla']:.2f}"
+        ratio = "" if c["ratio"] is None else f"{c['ratio']:.2f}"
         table.add_row(
-            str(c["pool_blocks"]),
+            c["pool"],
             str(c["concurrency"]),
             c["system"],
             f"{c['tok_s_mean']:.0f}",

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvllm.bench.throughput import SYSTEMS, Engine, Spec, Workload, system_compression
+from kvllm.bench.throughput import PROMPT_MARGIN, SYSTEMS, VANILLA, Engine, Spec, Workload, system_compression
 from kvllm.config import CompressionConfig
 
 
@@ -31,14 +31,19 @@ class Sweep:
         Kara's retention; SnapKV-threshold uses the same retention and a
         ``threshold_budget`` from ``compression``.
     pools
-        KV pool sizes in blocks; small enough that vanilla vLLM preempts or queues.
+        KV pools: a number of blocks, ``"Nx"`` for room for N whole requests of the
+        longest output without compression (vanilla's pool), or ``"max"`` for room for
+        the highest concurrency's whole requests (no pressure: the ceiling).
+    prompt_tokens
+        The longest prompt in tokens, for the relative pools; measured with the model's
+        tokenizer when not given.
     """
 
     model: str
     out: Path
     systems: tuple[str, ...] = SYSTEMS
-    concurrency: tuple[int, ...] = (8, 16, 32, 64, 128)
-    pools: tuple[int, ...] = (128, 256)
+    concurrency: tuple[int, ...] = (16, 32, 64, 128)
+    pools: tuple[int | str, ...] = ("8x", "16x", "max")
     repeats: int = 3
     workload: Workload = field(default_factory=Workload)
     retention: float = 0.2
@@ -46,6 +51,7 @@ class Sweep:
         default_factory=lambda: CompressionConfig(threshold_budget=192, threshold_interval=64)
     )
     block_size: int = 32
+    prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -55,13 +61,39 @@ class Sweep:
             raise ValueError(f"repeats={self.repeats} is invalid: must be >= 1")
         # Fails here, before any engine starts, on a bad retention or policy parameter.
         self.compression.replace(retention=self.retention)
+        for pool in self.pools:
+            if not (isinstance(pool, int) or pool == "max" or (pool.endswith("x") and pool[:-1].isdigit())):
+                raise ValueError(
+                    f"--pool {pool!r} is invalid: must be a number of blocks, Nx (N whole requests) or max"
+                )
+        limit = _max_positions(self.model)
+        if limit is not None and self.workload.longest + PROMPT_MARGIN > limit:
+            raise ValueError(
+                f"--output-tokens/--output-max {self.workload.longest} is invalid for this model: must be <= "
+                f"{limit - PROMPT_MARGIN} (its max_position_embeddings {limit}, less room for the prompt)"
+            )
+
+    def request_blocks(self) -> int:
+        """Blocks one whole request of the longest output holds without compression."""
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else _prompt_tokens(self.model, self.workload)
+        return -(-(prompt + self.workload.longest) // self.block_size)
+
+    def pool_blocks(self, pool: int | str) -> int:
+        """A pool in blocks (one more than the requests need: vLLM's null block)."""
+        if isinstance(pool, int):
+            return pool
+        n = max(self.concurrency) if pool == "max" else int(pool[:-1])
+        return n * self.request_blocks() + 1
 
     def specs(self) -> list[Spec]:
         """Every process to run, in run order (systems rotate between repeats)."""
         out = []
         # Pool by pool, so that an interrupted run leaves whole pools behind.
         for pool in self.pools:
-            engine = Engine(pool_blocks=pool, block_size=self.block_size, max_num_seqs=max(self.concurrency))
+            engine = Engine(
+                pool_blocks=self.pool_blocks(pool), label=str(pool), block_size=self.block_size,
+                max_num_seqs=max(self.concurrency),
+            )  # fmt: skip
             for repeat in range(self.repeats):
                 k = repeat % len(self.systems)
                 for system in self.systems[k:] + self.systems[:k]:
@@ -79,6 +111,20 @@ class Sweep:
         return out
 
 
+def _max_positions(model: str) -> int | None:
+    config = Path(model) / "config.json"
+    return json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
+
+
+def _prompt_tokens(model: str, workload: Workload) -> int:
+    from transformers import AutoTokenizer
+
+    from kvllm.bench.throughput import prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return max(len(tokenizer(p).input_ids) for p in prompts(workload.requests, workload.prompt_steps))
+
+
 def _done(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
@@ -87,7 +133,7 @@ def _done(path: Path) -> list[dict[str, Any]]:
 
 def _run_spec(spec: Spec, on_row: Callable[[dict[str, Any]], None]) -> None:
     env = dict(os.environ)
-    if spec.system == "vanilla":
+    if spec.system in VANILLA:
         env["VLLM_PLUGINS"] = "no-plugin"  # a name that matches nothing: vLLM without KvLLM
     raw = asdict(spec)
     proc = subprocess.Popen(

@@ -1,6 +1,6 @@
 """Output throughput under a small KV pool: vanilla vLLM against KvLLM, in one run.
 
-Every (system, pool) pair runs in its own process, because vanilla vLLM must start
+Every (system, pool) pair runs in its own process, because the vanilla systems must start
 without the plugin (``VLLM_PLUGINS`` set to a name that matches nothing) and one engine
 per process is what vLLM supports. Inside that process one engine serves the whole
 concurrency sweep: a cell keeps ``concurrency`` requests in flight (as ``vllm bench
@@ -24,42 +24,73 @@ from typing import Any
 
 from kvllm.config import CompressionConfig
 
-SYSTEMS: tuple[str, ...] = ("vanilla", "plugin-off", "kara", "snapkv-threshold")
-UNCOMPRESSED: tuple[str, ...] = ("vanilla", "plugin-off")
-# Room for the short prompts (about a hundred tokens with the test tokenizer).
+SYSTEMS: tuple[str, ...] = (
+    "vanilla-default",  # vLLM as a user starts it: prefix caching on
+    "vanilla",  # vLLM constrained as KvLLM is: prefix caching off
+    "plugin-off",  # KvLLM's scheduler and runner, no compression
+    "kara",  # Kara, periodic policy, projected admission
+    "kara-vllm-admit",  # Kara, periodic policy, vLLM's admission (the ablation)
+    "snapkv-periodic",  # SnapKV's scoring under Kara's policy: policy vs scoring
+    "snapkv-threshold",  # SnapKV's scoring under the threshold policy
+)
+UNCOMPRESSED: tuple[str, ...] = ("vanilla-default", "vanilla", "plugin-off")
+VANILLA: tuple[str, ...] = ("vanilla-default", "vanilla")  # vLLM without the plugin
+# Room for the prompts (137-155 tokens at prompt_steps=8 with the shipped tokenizer).
 PROMPT_MARGIN = 256
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What every system serves: short prompts, fixed-length outputs (EOS ignored).
+    """What every system serves: trace prompts, reasoning-length outputs (EOS ignored).
 
     Attributes
     ----------
     output_tokens
         Tokens each request generates; EOS is ignored so every system does equal work.
+    output_max
+        With a value, request i generates a length drawn uniformly from
+        [output_tokens, output_max] (seeded by i, so every system serves the same mix).
     requests
         Requests per cell, at least the cell's concurrency (then that many).
     prompt_steps
-        Program length of the generated trace prompts (a few dozen tokens).
+        Program length of the generated trace prompts (8: 137-155 tokens).
     """
 
-    output_tokens: int = 512
+    output_tokens: int = 2048
+    output_max: int | None = None
     requests: int = 32
-    prompt_steps: int = 4
+    prompt_steps: int = 8
 
     def __post_init__(self) -> None:
         if self.output_tokens < 2:
-            raise ValueError(f"Workload.output_tokens={self.output_tokens} is invalid: must be >= 2")
+            raise ValueError(f"output_tokens={self.output_tokens} (--output-tokens) is invalid: must be >= 2")
+        if self.output_max is not None and self.output_max < self.output_tokens:
+            raise ValueError(
+                f"output_max={self.output_max} (--output-max) is invalid: must be >= --output-tokens "
+                f"({self.output_tokens})"
+            )
         if self.requests < 1:
-            raise ValueError(f"Workload.requests={self.requests} is invalid: must be >= 1")
+            raise ValueError(f"requests={self.requests} (--requests) is invalid: must be >= 1")
+
+    @property
+    def longest(self) -> int:
+        return self.output_max or self.output_tokens
+
+    def lengths(self, n: int) -> list[int]:
+        """Output tokens of requests 0..n-1."""
+        if self.output_max is None:
+            return [self.output_tokens] * n
+        import numpy as np
+
+        return [int(np.random.default_rng(i).integers(self.output_tokens, self.output_max + 1)) for i in range(n)]
 
 
 @dataclass(frozen=True)
 class Engine:
-    """Engine limits shared by every system of a run."""
+    """Engine limits shared by every system of a run (``label``: the pool as the user gave it)."""
 
     pool_blocks: int
+    label: str = ""
     block_size: int = 32
     max_num_seqs: int = 128
     dtype: str = "float32"
@@ -89,10 +120,11 @@ class Spec:
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"system={self.system!r} is invalid: must be one of {', '.join(SYSTEMS)}")
-        if self.workload.output_tokens + PROMPT_MARGIN > self.engine.max_model_len:
+        if self.workload.longest + PROMPT_MARGIN > self.engine.max_model_len:
             raise ValueError(
-                f"output_tokens={self.workload.output_tokens} is invalid for a pool of {self.engine.pool_blocks} "
-                f"blocks: must be <= {self.engine.max_model_len - PROMPT_MARGIN} (one request must fit the pool)"
+                f"--output-tokens/--output-max {self.workload.longest} is invalid for a pool of "
+                f"{self.engine.pool_blocks} blocks (--pool): must be <= {self.engine.max_model_len - PROMPT_MARGIN} "
+                "(one request must fit the pool)"
             )
         bad = [c for c in self.concurrency if not 1 <= c <= self.engine.max_num_seqs]
         if bad or not self.concurrency:
@@ -119,14 +151,15 @@ class Spec:
 
 def system_compression(system: str, retention: float, base: CompressionConfig) -> dict[str, Any]:
     """CompressionConfig fields of a KvLLM system at ``retention``."""
-    if system == "kara":
-        return asdict(base.replace(method="kara", retention=retention, policy="periodic"))
-    if system == "snapkv-threshold":
-        return asdict(base.replace(method="snapkv", retention=retention, policy="threshold"))
-    return {}
+    if system in UNCOMPRESSED:
+        return {}
+    method, _, policy = system.partition("-")
+    admission = "vllm" if policy == "vllm-admit" else "projected"
+    policy = "periodic" if policy in ("", "vllm-admit") else policy
+    return asdict(base.replace(method=method, retention=retention, policy=policy, admission=admission))
 
 
-def _prompts(n: int, steps: int) -> list[str]:
+def prompts(n: int, steps: int) -> list[str]:
     """Short trace prompts (the shipped model's own task format), distinct per request."""
     from kvllm.eval.tasks import Difficulty, make_task
 
@@ -146,13 +179,13 @@ def _engine(spec: Spec) -> Any:
         max_num_seqs=e.max_num_seqs,
         num_gpu_blocks_override=e.pool_blocks,
         # Enough for the workload: the pool may hold more than the model's positions.
-        max_model_len=min(e.max_model_len, spec.workload.output_tokens + PROMPT_MARGIN),
-        enable_prefix_caching=False,
+        max_model_len=min(e.max_model_len, spec.workload.longest + PROMPT_MARGIN),
+        enable_prefix_caching=spec.system == "vanilla-default",
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         seed=0,
     )
-    if spec.system == "vanilla":
+    if spec.system in VANILLA:
         return vllm.LLM(spec.model, **kwargs)
     return LLM(spec.model, compression=spec.config(), **kwargs).llm
 
@@ -166,10 +199,11 @@ def serve_cell(
 
     w = spec.workload
     n = max(w.requests, concurrency)
-    prompts = _prompts(n, w.prompt_steps)
-    params = SamplingParams(
-        max_tokens=w.output_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
-    )
+    texts = prompts(n, w.prompt_steps)
+    params = [
+        SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        for k in w.lengths(n)
+    ]
     from kvllm.vllm.engine import block_pool_usage, running_requests
 
     engine = llm.llm_engine
@@ -186,7 +220,7 @@ def serve_cell(
     while added < n or engine.has_unfinished_requests():
         while added < n and len(submitted) < concurrency:
             rid = f"c{concurrency}-{added}"
-            engine.add_request(rid, prompts[added], params)
+            engine.add_request(rid, texts[added], params[added])
             submitted[rid] = time.perf_counter()
             added += 1
         outputs = engine.step()
@@ -204,15 +238,17 @@ def serve_cell(
                 if total > 1:
                     tpot.append((now - first.pop(out.request_id)) / (total - 1))
                 submitted.pop(out.request_id)
-        peak_running = max(peak_running, running_requests(scheduler))
+        running = running_requests(scheduler)
+        peak_running = max(peak_running, running)
         used, usable = block_pool_usage(scheduler)
-        usage.append((round(now - start, 4), round(used / usable, 4), running_requests(scheduler)))
+        usage.append((round(now - start, 4), round(used / usable, 4), running))
     wall = time.perf_counter() - start
     kv1 = scheduler.kv_stats() if hasattr(scheduler, "kv_stats") else {}
     compress_s = kv1.get("compress_seconds", 0.0) - kv0.get("compress_seconds", 0.0)
     return {
         "system": spec.system,
         "repeat": spec.repeat,
+        "pool": spec.engine.label or str(spec.engine.pool_blocks),
         "pool_blocks": spec.engine.pool_blocks,
         "concurrency": concurrency,
         "requests": n,
@@ -222,6 +258,8 @@ def serve_cell(
         "mean_tpot_ms": round(1e3 * sum(tpot) / max(1, len(tpot)), 3),
         "mean_ttft_s": round(sum(ttft) / max(1, len(ttft)), 4),
         "peak_running": peak_running,
+        "mean_running": round(sum(r for _, _, r in usage) / len(usage), 2),
+        "mean_step_ms": round(1e3 * wall / steps, 3),
         "preemptions": preemptions() - pre0,
         "rounds": kv1.get("rounds", 0) - kv0.get("rounds", 0),
         "compress_seconds": round(compress_s, 4),
@@ -245,7 +283,7 @@ def run(spec: Spec) -> None:
     from vllm import SamplingParams
 
     # One short untimed request: first-step allocations and lazy imports.
-    llm.generate(_prompts(2, spec.workload.prompt_steps), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts(2, spec.workload.prompt_steps), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     startup = time.perf_counter() - started
     for c in spec.concurrency:
         row = serve_cell(llm, scheduler, preemptions, spec, c)

@@ -53,9 +53,15 @@ def bench_throughput(
     shape: Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")] = None,
     system: Annotated[list[str], typer.Option(help="Systems (repeatable or commas).")] = ALL_SYSTEMS,
     concurrency: Annotated[list[str], typer.Option(help="Requests in flight (repeatable or commas).")] = CONCURRENCY,
-    pool: Annotated[list[str], typer.Option(help="KV pool sizes in blocks (repeatable or commas).")] = POOLS,
+    pool: Annotated[
+        list[str],
+        typer.Option(help="KV pools: blocks, Nx (room for N whole uncompressed requests) or max (repeatable, commas)."),
+    ] = POOLS,
     repeats: Annotated[int, typer.Option(help="Repeats of every cell (systems alternate).")] = 3,
-    output_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 512,
+    output_tokens: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 2048,
+    output_max: Annotated[
+        int | None, typer.Option(help="With it, output lengths are uniform over [--output-tokens, --output-max].")
+    ] = None,
     requests: Annotated[int, typer.Option(help="Requests per cell (at least its concurrency).")] = 32,
     retention: Retention = D.retention,
     window: Window = D.window,
@@ -81,8 +87,9 @@ def bench_throughput(
         path = shape_model(shape) if shape is not None else model_path(model)
         sweep = Sweep(
             model=str(path), out=out, systems=tuple(split(system)), concurrency=tuple(split(concurrency, int)),
-            pools=tuple(split(pool, int)), repeats=repeats, retention=retention, compression=compression,
-            workload=Workload(output_tokens=output_tokens, requests=requests),
+            pools=tuple(_pool(p) for p in split(pool)), repeats=repeats, retention=retention,
+            compression=compression,
+            workload=Workload(output_tokens=output_tokens, output_max=output_max, requests=requests),
         )  # fmt: skip
         specs = sweep.specs()
     except ValueError as err:
@@ -90,7 +97,14 @@ def bench_throughput(
     with progress() as bar:
         job = bar.add_task("bench", total=len(specs) * len(sweep.concurrency))
         rows = run_sweep(sweep, lambda message: bar.update(job, advance=1, description=message))
-    summary = write_report(rows, out, title=f"{path.name}, {output_tokens} output tokens/request")
+    lengths = f"{output_tokens}-{output_max}" if output_max else str(output_tokens)
+    summary = write_report(rows, out, title=f"{path.name}, {lengths} output tokens/request")
     console.print(summary_rich(summary))
-    console.print(f"mean ratio to vanilla: {summary['mean_ratio_to_vanilla']}")
-    console.print(f"wrote {out}/results.csv, results.json, summary.json, throughput.png, pool_usage.png")
+    console.print(f"mean ratio to {summary['baseline']}: {summary['mean_ratio']}")
+    if summary["limit"]:
+        console.print(f"limit (pool {summary['tight_pool']} over {summary['ceiling_pool']}): {summary['limit']}")
+    console.print(f"wrote {out}/results.csv, results.json, summary.json, summary.md and the plots")
+
+
+def _pool(value: str) -> int | str:
+    return int(value) if value.isdigit() else value

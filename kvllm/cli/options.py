@@ -30,8 +30,8 @@ METHODS = available()
 RETENTIONS = [",".join(str(r) for r in DEFAULT_RETENTIONS)]
 ALL_FAMILIES = list(FAMILIES)
 ALL_SYSTEMS = list(SYSTEMS)
-CONCURRENCY = ["8,16,32,64,128"]
-POOLS = ["128,256"]
+CONCURRENCY = ["16,32,64,128"]
+POOLS = ["8x,16x,max"]
 
 Model = Annotated[Path | None, typer.Option(help="Local model directory (transformers format); default: shipped.")]
 Retention = Annotated[float, typer.Option(help="Fraction of each window kept, in (0, 1].")]

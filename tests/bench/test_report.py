@@ -28,16 +28,30 @@ def test_ratios_are_taken_within_a_repeat() -> None:
     rows = [_row("vanilla", 0, 8, 100), _row("kara", 0, 8, 150), _row("vanilla", 1, 8, 200), _row("kara", 1, 8, 300)]
     summary = summarize(rows)
     kara = next(c for c in summary["cells"] if c["system"] == "kara")
-    assert kara["ratio_to_vanilla"] == pytest.approx(1.5)
+    assert summary["baseline"] == "vanilla"
+    assert kara["ratio"] == kara["ratio_min"] == kara["ratio_max"] == pytest.approx(1.5)
     assert (kara["tok_s_mean"], kara["tok_s_min"], kara["tok_s_max"]) == (225, 150, 300)
-    assert summary["mean_ratio_to_vanilla"]["kara"]["64"] == pytest.approx(1.5)
+    assert summary["mean_ratio"]["kara"]["64"] == pytest.approx(1.5)
+    assert summary["limit"] == []  # one pool: no ceiling to compare with
+
+
+def test_vllm_at_its_defaults_is_the_baseline_and_the_limit_uses_the_largest_pool() -> None:
+    rows = [_row("vanilla", 0, 8, 100), _row("vanilla-default", 0, 8, 125), _row("kara", 0, 8, 250)]
+    rows += [{**_row("vanilla-default", 0, 8, 500), "pool_blocks": 999, "pool": "max"}]
+    summary = summarize(rows)
+    assert summary["baseline"] == "vanilla-default" and summary["ceiling_pool"] == "max"
+    kara = next(c for c in summary["cells"] if c["system"] == "kara")
+    assert kara["ratio"] == pytest.approx(2.0)
+    assert summary["limit"] == [{"system": "kara", "concurrency": 8, "ratio": 0.5, "ratio_min": 0.5, "ratio_max": 0.5}]
+    assert "| kara | 8 | 0.50 [0.50-0.50] |" in markdown_table(summary)
 
 
 def test_report_files(tmp_path: Path) -> None:
     # Odd values: the rounded mean of one repeat may sit just below or above it.
     rows = [_row(s, 0, c, t) for s, t in (("vanilla", 100.04), ("kara", 130.06)) for c in (8, 16)]
     write_report(rows, tmp_path)
-    for name in ("results.csv", "results.json", "summary.json", "summary.md", "throughput.png", "pool_usage.png"):
+    names = ("results.csv", "results.json", "summary.json", "summary.md", "throughput.png", "ratios.png")
+    for name in (*names, "pool_usage.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     header = (tmp_path / "results.csv").read_text().splitlines()[0]
     assert "tok_s" in header.split(",") and "usage" not in header.split(",")

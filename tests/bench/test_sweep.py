@@ -11,15 +11,24 @@ from kvllm.bench import sweep as sweep_mod
 from kvllm.bench.sweep import Sweep, run_sweep
 from kvllm.bench.throughput import Engine, Spec, Workload
 
+SHORT = Workload(output_tokens=512)
+
 
 def test_systems_alternate_and_rotate_between_repeats(tmp_path: Path) -> None:
-    s = Sweep(model="m", out=tmp_path, systems=("vanilla", "kara", "plugin-off"), pools=(64,), repeats=3)
+    s = Sweep(
+        model="m", out=tmp_path, systems=("vanilla", "kara", "plugin-off"), pools=(64,), repeats=3, workload=SHORT
+    )
     order = [spec.system for spec in s.specs()]
     assert order == ["vanilla", "kara", "plugin-off", "kara", "plugin-off", "vanilla", "plugin-off", "vanilla", "kara"]
     kara = next(spec for spec in s.specs() if spec.system == "kara")
     assert kara.config() is not None and kara.config().policy == "periodic" and kara.config().retention == 0.2
-    snap = Sweep(model="m", out=tmp_path, systems=("snapkv-threshold",)).specs()[0].config()
-    assert snap.method == "snapkv" and snap.policy == "threshold"
+    systems = ("snapkv-threshold", "snapkv-periodic", "kara-vllm-admit")
+    snap, periodic, greedy = (
+        spec.config() for spec in Sweep(model="m", out=tmp_path, systems=systems, prompt_tokens=150).specs()[:3]
+    )
+    assert (snap.method, snap.policy) == ("snapkv", "threshold")
+    assert (periodic.method, periodic.policy, periodic.admission) == ("snapkv", "periodic", "projected")
+    assert (greedy.method, greedy.policy, greedy.admission) == ("kara", "periodic", "vllm")
     assert next(spec for spec in s.specs() if spec.system == "vanilla").config() is None
     # What crosses to the bench process comes back as the same spec.
     assert all(Spec.from_dict(json.loads(json.dumps(asdict(spec)))) == spec for spec in s.specs())
@@ -32,17 +41,36 @@ def test_systems_alternate_and_rotate_between_repeats(tmp_path: Path) -> None:
         ({"repeats": 0}, "repeats=0"),
         ({"retention": 1.5}, "retention"),
         ({"concurrency": (0,)}, "concurrency="),
-        ({"pools": (8,)}, "output_tokens=512 is invalid for a pool of 8 blocks"),
+        ({"pools": (8,)}, "--output-tokens/--output-max 2048 is invalid for a pool of 8 blocks"),
+        ({"pools": ("8 requests",)}, "--pool '8 requests' is invalid"),
+        ({"workload": Workload(output_tokens=10000)}, "--output-tokens/--output-max 10000 is invalid for this model"),
     ],
 )
 def test_bad_sweeps_fail_before_any_engine(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
     with pytest.raises(ValueError, match=match):
-        Sweep(model="m", out=tmp_path, **kwargs).specs()
+        Sweep(model=str(tmp_path), out=tmp_path, prompt_tokens=150, **kwargs).specs()
+
+
+def test_relative_pools_hold_whole_uncompressed_requests(tmp_path: Path) -> None:
+    s = Sweep(model="m", out=tmp_path, pools=("8x", "max", 100), concurrency=(4, 16), prompt_tokens=150)
+    per_request = -(-(150 + 2048) // 32)  # 69 blocks
+    assert [spec.engine.pool_blocks for spec in s.specs()[:: 3 * len(s.systems)]] == [
+        8 * per_request + 1,
+        16 * per_request + 1,
+        100,
+    ]
+    assert s.specs()[0].engine.label == "8x"
 
 
 def test_bad_workload_and_engine() -> None:
-    with pytest.raises(ValueError, match=r"Workload\.output_tokens=1"):
+    with pytest.raises(ValueError, match=r"output_tokens=1 \(--output-tokens\)"):
         Workload(output_tokens=1)
+    with pytest.raises(ValueError, match=r"output_max=100 \(--output-max\)"):
+        Workload(output_tokens=200, output_max=100)
+    mix = Workload(output_tokens=1024, output_max=4096).lengths(64)
+    assert mix == Workload(output_tokens=1024, output_max=4096).lengths(64)  # same mix for every system
+    assert min(mix) >= 1024 and max(mix) <= 4096 and len(set(mix)) > 32
     with pytest.raises(ValueError, match=r"Engine\.pool_blocks=1"):
         Engine(pool_blocks=1)
 
@@ -58,7 +86,9 @@ def test_finished_groups_are_skipped_and_partial_ones_rerun(tmp_path: Path, monk
             on_row({"system": spec.system, "pool_blocks": 64, "repeat": spec.repeat, "concurrency": c, "tok_s": 1.0})
 
     monkeypatch.setattr(sweep_mod, "_run_spec", fake)
-    s = Sweep(model="m", out=tmp_path, systems=("vanilla", "kara"), concurrency=(2, 4), pools=(64,), repeats=1)
+    s = Sweep(
+        model="m", out=tmp_path, systems=("vanilla", "kara"), concurrency=(2, 4), pools=(64,), repeats=1, workload=SHORT
+    )
     with pytest.raises(RuntimeError):
         run_sweep(s)
     assert ran == [("vanilla", 0), ("kara", 0)]
