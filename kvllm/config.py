@@ -59,10 +59,13 @@ class CompressionConfig:
     threshold_interval
         ThresholdPolicy: a round triggers at ``threshold_budget + threshold_interval``.
     admission
-        vLLM engines only: ``"projected"`` admits a waiting request only while every
-        request's projected physical footprint fits the pool at every future step
-        (docs/design.md, "Admission"); ``"vllm"`` keeps vLLM's rule (admit when the
-        prompt fits). Engine-wide; a request cannot override it.
+        vLLM engines only: ``"vllm"`` keeps vLLM's rule (admit when the prompt fits;
+        preempt the newest request when a running one cannot grow); ``"projected"``
+        admits a waiting request only while every request's projected physical
+        footprint fits the pool at every future step, so compressing requests never
+        preempt each other (docs/design.md, "Admission"). vLLM's rule is the default
+        because it measured faster (docs/throughput.md). Engine-wide; a request cannot
+        override it.
     params
         Overrides of the method's own parameters (its ``Params`` dataclass, e.g.
         :class:`kvllm.methods.kara.KaraParams`); unset fields keep the method's defaults.
@@ -81,7 +84,7 @@ class CompressionConfig:
     policy: PolicyName = "periodic"
     threshold_budget: int = 512
     threshold_interval: int = 128
-    admission: AdmissionName = "projected"
+    admission: AdmissionName = "vllm"
     # Excluded from the hash (a dict is unhashable); equality still compares it.
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)
 

@@ -60,6 +60,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ``limit``: each compressing system in the smallest pool over the baseline in the
     largest one (the ceiling, when that pool is unpressured), within repeats.
     """
+    if not rows:
+        raise ValueError("no benchmark rows to summarize")
     base = baseline_of(rows)
     by = {(r["system"], r["pool_blocks"], r["concurrency"], r["repeat"]): r for r in rows}
     labels = {r["pool_blocks"]: str(r.get("pool", r["pool_blocks"])) for r in rows}

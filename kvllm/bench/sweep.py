@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ class Sweep:
     ----------
     retention
         Kara's retention; SnapKV-threshold uses the same retention and a
-        ``threshold_budget`` from ``compression``.
+        ``threshold_budget`` from ``compression`` (``kvllm bench throughput`` matches it to
+        Kara's footprint: :func:`kvllm.bench.throughput.matched_threshold_budget`).
     pools
         KV pools: a number of blocks, ``"Nx"`` for room for N whole requests of the
         longest output without compression (vanilla's pool), or ``"max"`` for room for
@@ -66,6 +68,11 @@ class Sweep:
                 raise ValueError(
                     f"--pool {pool!r} is invalid: must be a number of blocks, Nx (N whole requests) or max"
                 )
+        if not self.prompt_tokens and any(isinstance(p, str) for p in self.pools) and not Path(self.model).exists():
+            raise ValueError(f"--model {self.model} does not exist: the Nx and max pools need its tokenizer")
+        blocks = [self.pool_blocks(p) for p in self.pools]
+        if len(set(blocks)) < len(blocks):
+            raise ValueError(f"--pool {list(self.pools)} is invalid: two pools resolve to the same {blocks} blocks")
         limit = _max_positions(self.model)
         if limit is not None and self.workload.longest + PROMPT_MARGIN > limit:
             raise ValueError(
@@ -75,7 +82,8 @@ class Sweep:
 
     def request_blocks(self) -> int:
         """Blocks one whole request of the longest output holds without compression."""
-        prompt = self.prompt_tokens if self.prompt_tokens is not None else _prompt_tokens(self.model, self.workload)
+        n = max(self.workload.requests, *self.concurrency)  # a cell serves max(requests, C) prompts
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else _prompt_tokens(self.model, self.workload, n)
         return -(-(prompt + self.workload.longest) // self.block_size)
 
     def pool_blocks(self, pool: int | str) -> int:
@@ -116,13 +124,14 @@ def _max_positions(model: str) -> int | None:
     return json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
 
 
-def _prompt_tokens(model: str, workload: Workload) -> int:
+@lru_cache(maxsize=8)
+def _prompt_tokens(model: str, workload: Workload, n: int) -> int:
     from transformers import AutoTokenizer
 
     from kvllm.bench.throughput import prompts
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    return max(len(tokenizer(p).input_ids) for p in prompts(workload.requests, workload.prompt_steps))
+    return max(len(tokenizer(p).input_ids) for p in prompts(n, workload.prompt_steps))
 
 
 def _done(path: Path) -> list[dict[str, Any]]:

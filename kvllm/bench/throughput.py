@@ -159,6 +159,15 @@ def system_compression(system: str, retention: float, base: CompressionConfig) -
     return asdict(base.replace(method=method, retention=retention, policy=policy, admission=admission))
 
 
+def matched_threshold_budget(kara: CompressionConfig, output_tokens: int, interval: int) -> int:
+    """SnapKV-threshold's budget at equal retention: its generated slots, which swing
+    between the budget and budget + ``interval``, average Kara's after ``output_tokens``."""
+    from kvllm.policy import physical_growth
+
+    held = int(physical_growth(kara, output_tokens)[-1])
+    return max(kara.window + 1, held - interval // 2)
+
+
 def prompts(n: int, steps: int) -> list[str]:
     """Short trace prompts (the shipped model's own task format), distinct per request."""
     from kvllm.eval.tasks import Difficulty, make_task

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from kvllm.cli.bench import bench_selection, bench_throughput
+from kvllm.cli.bench import bench_selection, bench_serve, bench_throughput
 from kvllm.cli.evaluate import evaluate
 from kvllm.cli.generate import generate
 from kvllm.cli.serve import serve
@@ -21,6 +21,7 @@ app.command("eval")(evaluate)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
 bench_app.command("selection")(bench_selection)
 bench_app.command("throughput")(bench_throughput)
+bench_app.command("serve")(bench_serve)
 
 
 @app.callback()

@@ -13,6 +13,8 @@ from kvllm.cli.options import (
     CONCURRENCY,
     METHODS,
     POOLS,
+    SERVE_CONCURRENCY,
+    SERVERS,
     Buffer,
     D,
     Model,
@@ -67,7 +69,10 @@ def bench_throughput(
     window: Window = D.window,
     buffer: Buffer = D.buffer,
     period: Period = D.period,
-    threshold_budget: Annotated[int, typer.Option(help="SnapKV-threshold: generated slots kept.")] = 192,
+    threshold_budget: Annotated[
+        int | None,
+        typer.Option(help="SnapKV-threshold: generated slots kept; default: Kara's footprint at the longest output."),
+    ] = None,
     threshold_interval: Annotated[int, typer.Option(help="SnapKV-threshold: growth that triggers a round.")] = 64,
     out: Annotated[Path, typer.Option(help="Output folder (reruns resume).")] = Path("bench-throughput"),
 ) -> None:
@@ -75,10 +80,13 @@ def bench_throughput(
     from kvllm.bench.report import summary_rich, write_report
     from kvllm.bench.shapes import shape_model
     from kvllm.bench.sweep import Sweep, run_sweep
-    from kvllm.bench.throughput import Workload
+    from kvllm.bench.throughput import Workload, matched_threshold_budget
 
     if model is not None and shape is not None:
         raise typer.BadParameter("give --model or --shape, not both")
+    if threshold_budget is None:
+        kara = make_config(retention=retention, window=window, buffer=buffer, period=period)
+        threshold_budget = matched_threshold_budget(kara, output_max or output_tokens, threshold_interval)
     compression = make_config(
         window=window, buffer=buffer, period=period, threshold_budget=threshold_budget,
         threshold_interval=threshold_interval,
@@ -108,3 +116,48 @@ def bench_throughput(
 
 def _pool(value: str) -> int | str:
     return int(value) if value.isdigit() else value
+
+
+def bench_serve(
+    model: Model = None,
+    shape: Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")] = None,
+    system: Annotated[list[str], typer.Option(help="Servers: vanilla (vLLM's), kara (kvllm serve).")] = SERVERS,
+    concurrency: Annotated[
+        list[str], typer.Option(help="Load points: requests in flight (commas).")
+    ] = SERVE_CONCURRENCY,
+    rate: Annotated[list[str] | None, typer.Option(help="Load points: requests/s, Poisson (commas).")] = None,
+    prompts: Annotated[int, typer.Option(help="Requests per load point.")] = 32,
+    input_len: Annotated[int, typer.Option(help="Prompt tokens (vLLM's random dataset).")] = 150,
+    output_len: Annotated[int, typer.Option(help="Output tokens per request (EOS ignored).")] = 2048,
+    pool: Annotated[int, typer.Option(help="KV pool of both servers, in blocks.")] = 553,
+    max_num_seqs: Annotated[int, typer.Option(help="vLLM's --max-num-seqs for both servers.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Server starts per system (systems alternate).")] = 3,
+    retention: Retention = D.retention,
+    window: Window = D.window,
+    buffer: Buffer = D.buffer,
+    period: Period = D.period,
+    out: Annotated[Path, typer.Option(help="Output folder (reruns resume).")] = Path("bench-serve"),
+) -> None:
+    """Serving benchmark: vLLM's API server vs kvllm serve, with vLLM's own client (TTFT/TPOT/ITL)."""
+    from kvllm.bench.serving import ServeBench, run_bench
+    from kvllm.bench.serving_report import write_report
+    from kvllm.bench.shapes import shape_model
+
+    if model is not None and shape is not None:
+        raise typer.BadParameter("give --model or --shape, not both")
+    compression = make_config(retention=retention, window=window, buffer=buffer, period=period)
+    try:
+        path = shape_model(shape) if shape is not None else model_path(model)
+        bench = ServeBench(
+            model=str(path), out=out, systems=tuple(split(system)), concurrency=tuple(split(concurrency, int)),
+            rates=tuple(split(rate or [], float)), prompts=prompts, input_len=input_len, output_len=output_len,
+            pool_blocks=pool, max_num_seqs=max_num_seqs, repeats=repeats, compression=compression,
+        )  # fmt: skip
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    with progress() as bar:
+        job = bar.add_task("bench serve", total=len(bench.order()) * len(bench.points))
+        rows = run_bench(bench, lambda message: bar.update(job, advance=1, description=message))
+    cells = write_report(rows, out, title=f"{path.name}, {output_len} output tokens/request, pool {pool} blocks")
+    console.print((out / "summary.md").read_text(), markup=False, highlight=False)
+    console.print(f"{len(cells)} cells; wrote {out}/results.csv, results.json, summary.json, summary.md, serving.png")

@@ -32,6 +32,8 @@ ALL_FAMILIES = list(FAMILIES)
 ALL_SYSTEMS = list(SYSTEMS)
 CONCURRENCY = ["16,32,64,128"]
 POOLS = ["8x,16x,max"]
+SERVERS = ["vanilla,kara"]
+SERVE_CONCURRENCY = ["16,32"]
 
 Model = Annotated[Path | None, typer.Option(help="Local model directory (transformers format); default: shipped.")]
 Retention = Annotated[float, typer.Option(help="Fraction of each window kept, in (0, 1].")]

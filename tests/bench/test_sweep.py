@@ -44,6 +44,7 @@ def test_systems_alternate_and_rotate_between_repeats(tmp_path: Path) -> None:
         ({"pools": (8,)}, "--output-tokens/--output-max 2048 is invalid for a pool of 8 blocks"),
         ({"pools": ("8 requests",)}, "--pool '8 requests' is invalid"),
         ({"workload": Workload(output_tokens=10000)}, "--output-tokens/--output-max 10000 is invalid for this model"),
+        ({"pools": ("16x", "max"), "concurrency": (16,)}, "two pools resolve to the same"),
     ],
 )
 def test_bad_sweeps_fail_before_any_engine(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
@@ -96,3 +97,15 @@ def test_finished_groups_are_skipped_and_partial_ones_rerun(tmp_path: Path, monk
     assert ran[2:] == [("kara", 0)]  # vanilla was complete; kara had one cell of two
     cells = sorted((r["system"], r["concurrency"]) for r in rows)
     assert cells == [("kara", 2), ("kara", 4), ("vanilla", 2), ("vanilla", 4)]
+
+
+def test_snapkv_threshold_budget_matches_karas_footprint() -> None:
+    from kvllm.bench.throughput import matched_threshold_budget
+    from kvllm.config import CompressionConfig
+    from kvllm.policy import physical_growth
+
+    kara = CompressionConfig()
+    budget = matched_threshold_budget(kara, 2048, 64)
+    snap = kara.replace(method="snapkv", policy="threshold", threshold_budget=budget, threshold_interval=64)
+    # Once saturated, SnapKV-threshold's generated slots average what Kara holds at the end.
+    assert abs(physical_growth(snap, 2048)[-512:].mean() - physical_growth(kara, 2048)[-1]) < 2

@@ -58,8 +58,7 @@ def test_keep_all_matches_vanilla_under_preemption(tiny_model: str) -> None:
     small = {"num_gpu_blocks_override": 24}
     with engine(tiny_model, None, plugin=False, **small) as vanilla:
         expected = token_ids(vanilla.generate(PROMPTS, greedy(160)))
-    # vLLM's admission, so that requests do preempt each other.
-    with engine(tiny_model, KEEP_ALL.replace(admission="vllm"), **small) as llm:
+    with engine(tiny_model, KEEP_ALL, **small) as llm:
         got = token_ids(llm.generate(PROMPTS, greedy(160)))
         assert scheduler(llm).kv_totals.preemptions > 0
     assert got == expected
@@ -96,9 +95,7 @@ def test_more_requests_run_concurrently_under_a_small_pool(tiny_model: str) -> N
     params = greedy(240)
     with engine(tiny_model, None, plugin=False, **small) as vanilla:
         full = _step_all(vanilla, PROMPTS, params)
-    # vLLM's admission: the effect of freed blocks alone (tests/vllm/test_admission.py
-    # covers projected admission).
-    with engine(tiny_model, KARA.replace(admission="vllm"), **small) as llm:
+    with engine(tiny_model, KARA, **small) as llm:
         kara = _step_all(llm, PROMPTS, params)
     # Time-averaged concurrency: freed blocks keep more requests decoding at once, so
     # the same work also takes fewer engine steps.
@@ -108,7 +105,7 @@ def test_more_requests_run_concurrently_under_a_small_pool(tiny_model: str) -> N
 
 
 def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str) -> None:
-    with engine(tiny_model, KARA.replace(admission="vllm"), num_gpu_blocks_override=24) as llm:
+    with engine(tiny_model, KARA, num_gpu_blocks_override=24) as llm:
         result = _step_all(llm, PROMPTS, greedy(200), abort_at={0: 3, 5: 40, 9: 90, 17: 150})
         sched, run = scheduler(llm), runner(llm)
         # The scheduler's reported buffer size is the worker's real one.
