@@ -79,7 +79,10 @@ def test_what_is_admitted_fits_at_every_step(
     for p in profiles:
         usage[: len(p)] += p
     if n and (run or n > 1):
-        assert usage.max() <= capacity
+        # Admission answers for the steps an admitted request lives through; running
+        # requests may overflow later on their own (vLLM preempts then, as before).
+        first = 0 if run else 1
+        assert all(usage[: len(f.blocks)].max() <= capacity for f in wait[first:n])
     if n < len(wait) and (run or n):
         # The next one would not have fitted.
         nxt = wait[n].blocks
