@@ -28,6 +28,7 @@ def test_defaults_are_valid() -> None:
         ("period", 0, "[1, 128]"),
         ("period", 129, "[1, 128]"),
         ("block_size", 0, "[1, inf]"),
+        ("admission", "fifo", "must be one of"),
         ("policy", "sometimes", "periodic, threshold"),
         ("threshold_budget", 0, "[1, inf]"),
         ("threshold_interval", 0, "[1, inf]"),

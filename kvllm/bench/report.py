@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 from rich.table import Table
 
 from kvllm.bench.throughput import SYSTEMS, UNCOMPRESSED
+from kvllm.plots import save_figure
 
 # Ratios are to vLLM at its defaults when that ran, else to the constrained vanilla.
 BASELINES = ("vanilla-default", "vanilla")
@@ -220,20 +221,8 @@ def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Pat
             ]
             style = {"linewidth": 2.5, "color": "black"} if system == "kara" else {"linewidth": 1.2}
             ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=3, label=system, **style)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({c["concurrency"] for c in summary["cells"]}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_title(f"KV pool {_label(summary, pool)}")
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_ylabel("output tokens/s")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        _concurrency_panel(ax, summary, pool, "output tokens/s", 8)
+    return save_figure(fig, path, title)
 
 
 def plot_ratios(summary: dict[str, Any], path: Path, title: str = "") -> Path:
@@ -256,20 +245,8 @@ def plot_ratios(summary: dict[str, Any], path: Path, title: str = "") -> Path:
                 if limit:
                     _ratio_line(ax, limit, f"{system} / ceiling", colors[system], "--")
         ax.axhline(1.0, color="gray", linewidth=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({c["concurrency"] for c in summary["cells"]}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_title(f"KV pool {_label(summary, pool)}")
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.set_ylabel(f"output tok/s / {summary['baseline']}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+        _concurrency_panel(ax, summary, pool, f"output tok/s / {summary['baseline']}", 7)
+    return save_figure(fig, path, title)
 
 
 def _ratio_line(ax: Any, points: list[dict[str, Any]], label: str, color: str, style: str) -> None:
@@ -278,6 +255,18 @@ def _ratio_line(ax: Any, points: list[dict[str, Any]], label: str, color: str, s
     err = [[max(0.0, y - p["ratio_min"]) for y, p in zip(ys, points, strict=True)]]
     err.append([max(0.0, p["ratio_max"] - y) for y, p in zip(ys, points, strict=True)])
     ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=3, label=label, color=color, linestyle=style)
+
+
+def _concurrency_panel(ax: Any, summary: dict[str, Any], pool: int, ylabel: str, legend_size: int) -> None:
+    """One pool's panel against concurrency (log-2 axis, the run's concurrencies as ticks)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({c["concurrency"] for c in summary["cells"]}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_title(f"KV pool {_label(summary, pool)}")
+    ax.set_xlabel("concurrency (requests in flight)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
 
 
 def _label(summary: dict[str, Any], pool: int) -> str:
@@ -299,10 +288,7 @@ def plot_usage(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     ax.set_ylabel("blocks in use (%)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def summary_rich(summary: dict[str, Any]) -> Table:

@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt
 
 from kvllm.bench.serving import FIGURES, PERCENTILES, SYSTEMS
+from kvllm.plots import save_figure
 
 BASELINE = "vanilla"
 # Figures compared with vanilla within a repeat: higher is better for throughput, lower for latency.
@@ -89,12 +90,7 @@ def plot(cells: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def write_report(rows: Sequence[dict[str, Any]], out: Path, title: str = "") -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 from rich.table import Table
 
 from kvllm.eval.grid import FULL, CellResult
+from kvllm.plots import save_figure
 
 
 def accuracy_table(results: Sequence[CellResult]) -> dict[str, dict[str, dict[float, float]]]:
@@ -79,12 +80,7 @@ def _save(fig, axes, ylabel: str, title: str, path: Path) -> Path:
     """Label, title and write a row of panels, then free the figure."""
     axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=7, loc="lower right")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def accuracy_rich(results: Sequence[CellResult]) -> Table:
