@@ -7,8 +7,9 @@ With one, each step it:
 1. applies the scheduler's compactions *before* vLLM's own ``_update_states``, because
    the blocks the scheduler freed may be handed to another request in this very step;
 2. truncates the block tables of requests whose trailing blocks were freed;
-3. after ``_prepare_inputs``, makes ``seq_lens`` and the slot mapping physical
-   (``logical - dropped``) while positions, and so RoPE, stay logical;
+3. in ``_prepare_inputs``, makes the slot mapping (vLLM computes it from physical
+   positions, ``logical - dropped``, see :class:`PhysicalBlockTable`) and then
+   ``seq_lens`` physical, while positions, and so RoPE, stay logical;
 4. publishes the decode rows whose queries the attention backend records.
 
 Under tensor parallelism every rank runs this runner on its own slice of heads (Hq/tp
@@ -37,6 +38,7 @@ from vllm.distributed import (
 )
 from vllm.model_executor.layers.attention.attention import Attention
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.worker.block_table import MultiGroupBlockTable
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from kvllm.methods import Window, build
@@ -44,6 +46,25 @@ from kvllm.vllm import paged
 from kvllm.vllm.capture import CAPTURE, QueryRing
 from kvllm.vllm.plan import Compaction, StepPlan
 from kvllm.vllm.settings import engine_config
+
+
+class PhysicalBlockTable(MultiGroupBlockTable):
+    """vLLM's block tables, computing the slot mapping from physical positions.
+
+    vLLM's ``_prepare_inputs`` computes the slot mapping from the logical positions it
+    also feeds RoPE. While the runner sets ``kv_offsets`` (per scheduled token, its
+    request's dropped slots), that one computation gets ``logical - dropped`` instead:
+    the mapping vLLM's own kernel returns for the physical positions, computed once
+    instead of logically and then again physically (a launch costs tens of microseconds
+    of Python in vLLM's kernel launcher, whose argument binding alone is ~10-20 us here).
+    """
+
+    kv_offsets: torch.Tensor | None = None
+
+    def compute_slot_mapping(self, num_reqs: int, query_start_loc: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.kv_offsets is not None:
+            positions = positions - self.kv_offsets
+        super().compute_slot_mapping(num_reqs, query_start_loc, positions)
 
 
 class CompressingCPUModelRunner(CPUModelRunner):
@@ -118,20 +139,30 @@ class CompressingCPUModelRunner(CPUModelRunner):
                 table.num_blocks_per_row[row] = min(n, keep)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
-        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         CAPTURE.rows = None  # capture state is per step (and per engine, in one process)
         if self.kv_config is None or self.kv_ring is None:
-            return out
+            return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         n_reqs = self.input_batch.num_reqs
-        n_tokens = scheduler_output.total_num_scheduled_tokens
         req_ids = self.input_batch.req_ids[:n_reqs]
+        # The batch's order is final here (_update_states has run).
         dropped = np.fromiter((self.kv_dropped.get(r, 0) for r in req_ids), dtype=np.int64, count=n_reqs)
-        if dropped.any():
-            d = torch.from_numpy(dropped)
-            self.seq_lens[:n_reqs] -= d.to(self.seq_lens.dtype)
-            token_req = self.req_indices.gpu[:n_tokens]
-            physical = self.positions[:n_tokens] - d[token_req]
-            self.input_batch.block_table.compute_slot_mapping(n_reqs, self.query_start_loc.gpu[: n_reqs + 1], physical)
+        shifted = bool(dropped.any())
+        tables = self.input_batch.block_table
+        if shifted:
+            if not isinstance(tables, PhysicalBlockTable):
+                tables.__class__ = PhysicalBlockTable
+            # vLLM's req_indices is np.repeat(arange(n_reqs), num_scheduled_tokens): this is
+            # dropped[req_indices], each token's request's offset.
+            tables.kv_offsets = torch.from_numpy(np.repeat(dropped, num_scheduled_tokens[:n_reqs]))
+        try:
+            out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        finally:
+            if shifted:
+                tables.kv_offsets = None
+        if shifted:
+            # A CPU tensor: subtract through its numpy view (one op, not three torch ones).
+            seq_lens = self.seq_lens.numpy()
+            seq_lens[:n_reqs] -= dropped.astype(seq_lens.dtype)
         self._publish_capture(req_ids, n_reqs)
         return out
 
