@@ -139,13 +139,16 @@ class CompressingCPUModelRunner(CPUModelRunner):
                 table.num_blocks_per_row[row] = min(n, keep)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
-        CAPTURE.rows = None  # capture state is per step (and per engine, in one process)
+        CAPTURE.clear()  # capture state is per step (and per engine, in one process)
         if self.kv_config is None or self.kv_ring is None:
             return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         n_reqs = self.input_batch.num_reqs
         req_ids = self.input_batch.req_ids[:n_reqs]
-        # The batch's order is final here (_update_states has run).
-        dropped = np.fromiter((self.kv_dropped.get(r, 0) for r in req_ids), dtype=np.int64, count=n_reqs)
+        # One pass over the batch (its order is final: _update_states has run): each row's
+        # dropped slots, -1 for a request that does not compress. The rest is numpy.
+        dropped = np.fromiter((self.kv_dropped.get(r, -1) for r in req_ids), dtype=np.int64, count=n_reqs)
+        compressible = dropped >= 0
+        np.maximum(dropped, 0, out=dropped)
         shifted = bool(dropped.any())
         tables = self.input_batch.block_table
         if shifted:
@@ -163,24 +166,19 @@ class CompressingCPUModelRunner(CPUModelRunner):
             # A CPU tensor: subtract through its numpy view (one op, not three torch ones).
             seq_lens = self.seq_lens.numpy()
             seq_lens[:n_reqs] -= dropped.astype(seq_lens.dtype)
-        self._publish_capture(req_ids, n_reqs)
+        self._publish_capture(req_ids, compressible)
         return out
 
-    def _publish_capture(self, req_ids: list[str], n_reqs: int) -> None:
+    def _publish_capture(self, req_ids: list[str], compressible: np.ndarray) -> None:
         """Decode rows of compressible requests, and where their queries go."""
-        qsl = self.query_start_loc.np[: n_reqs + 1]
-        rows, slots, positions = [], [], []
-        ring = self.kv_ring
-        for i, req_id in enumerate(req_ids):
-            if req_id in self.kv_dropped and qsl[i + 1] - qsl[i] == 1:
-                rows.append(qsl[i])
-                slots.append(ring.slot(req_id))
-                positions.append(int(self.input_batch.num_computed_tokens_cpu[i]) % ring.ring)
-        if rows:
-            CAPTURE.ring = ring
-            CAPTURE.rows = torch.tensor(rows, dtype=torch.long)
-            CAPTURE.slots = torch.tensor(slots, dtype=torch.long)
-            CAPTURE.positions = torch.tensor(positions, dtype=torch.long)
+        qsl = self.query_start_loc.np[: len(req_ids) + 1]
+        batch_rows = np.flatnonzero(compressible & (qsl[1:] - qsl[:-1] == 1))
+        if len(batch_rows):
+            ring = self.kv_ring
+            # Ring slots in batch order, as before: a request gets its slot at its first decode row.
+            slots = np.fromiter((ring.slot(req_ids[i]) for i in batch_rows), dtype=np.int64, count=len(batch_rows))
+            positions = self.input_batch.num_computed_tokens_cpu[batch_rows]
+            CAPTURE.publish(ring, slots, positions, qsl[batch_rows])
 
     # -- compaction ----------------------------------------------------------------
     def _compact(self, compactions: list[Compaction]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -88,7 +89,7 @@ def test_exhausting_slots_raises() -> None:
 @pytest.fixture
 def step(monkeypatch: pytest.MonkeyPatch) -> CapturingCPUAttentionImpl:
     """The capturing impl with vLLM's attention stubbed out, and ``CAPTURE`` restored after the test."""
-    for field in ("ring", "rows", "slots", "positions", "layer_of"):
+    for field in ("ring", "index", "rows", "count", "layer_of"):
         monkeypatch.setattr(CAPTURE, field, getattr(CAPTURE, field))
     monkeypatch.setattr(CPUAttentionBackendImpl, "forward", lambda self, layer, q, k, v, kv, meta, out, *a, **kw: out)
     return object.__new__(CapturingCPUAttentionImpl)
@@ -108,6 +109,7 @@ def test_capture_wraps_around_and_compaction_reads_last_queries(step: CapturingC
     CAPTURE.layer_of = {name: i for i, name in enumerate(names)}
     reqs = ["a", "b"]
     slots = torch.tensor([ring.slot(r) for r in reqs])
+    slots_np = slots.numpy()
     # Request "b" starts decoding 3 tokens later than "a", so their ring positions differ.
     starts = {"a": 10, "b": 13}
     steps = 2 * RING + 3
@@ -117,9 +119,9 @@ def test_capture_wraps_around_and_compaction_reads_last_queries(step: CapturingC
     for s in range(steps):
         # Batch rows: a prefill chunk of some other request (rows 0-2), then one decode row each.
         batch = torch.randn(5, HEADS, HEAD_DIM, generator=gen)
-        CAPTURE.rows = torch.tensor([3, 4])
-        CAPTURE.slots = slots
-        CAPTURE.positions = torch.tensor([(starts[r] + s) % RING for r in reqs])
+        # Logical positions: publish takes them modulo the ring.
+        CAPTURE.publish(ring, slots_np, np.array([starts[r] + s for r in reqs]), np.array([3, 4]))
+        assert CAPTURE.rows is not None  # not the batch's first rows: gathered
         for layer, name in enumerate(names):
             q = batch + layer  # each layer sees its own queries
             out = _forward(step, name, q)
@@ -148,21 +150,36 @@ def test_capture_wraps_around_and_compaction_reads_last_queries(step: CapturingC
     assert not any(q[idle].any() for q in ring.queries)
 
 
-def test_capture_skips_warmup_and_steps_without_decode_rows(step: CapturingCPUAttentionImpl) -> None:
-    """No metadata (vLLM's warm-up) or no published rows: nothing is stored."""
+def test_capture_of_leading_rows_reads_a_slice(step: CapturingCPUAttentionImpl) -> None:
+    """Captured rows 0..k-1 (decode rows first, as vLLM orders a batch) are stored from a slice
+    of the query, exactly as a gather of those rows would; rows after them are left alone."""
     ring = _ring()
     CAPTURE.ring = ring
     CAPTURE.layer_of = {"l0": 0}
-    CAPTURE.slots = torch.tensor([ring.slot("a")])
-    CAPTURE.positions = torch.tensor([0])
+    slots = np.array([ring.slot("a"), ring.slot("b")])
+    CAPTURE.publish(ring, slots, np.array([RING + 1, 2]), np.array([0, 1]))
+    assert CAPTURE.rows is None and CAPTURE.count == 2
+    query = torch.randn(4, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))  # rows 2-3: a prefill
+    _forward(step, "l0", query)
+    store = ring.queries[0]
+    torch.testing.assert_close(store[slots[0], 1], query[0], rtol=0, atol=0)
+    torch.testing.assert_close(store[slots[1], 2], query[1], rtol=0, atol=0)
+    assert int((store != 0).any(dim=(-1, -2)).sum()) == 2  # nothing else written
+
+
+def test_capture_skips_warmup_and_steps_without_decode_rows(step: CapturingCPUAttentionImpl) -> None:
+    """No metadata (vLLM's warm-up) or nothing published (or cleared): nothing is stored."""
+    ring = _ring()
+    CAPTURE.ring = ring
+    CAPTURE.layer_of = {"l0": 0}
     query = torch.ones(1, HEADS, HEAD_DIM)
 
-    CAPTURE.rows = torch.tensor([0])
+    CAPTURE.publish(ring, np.array([ring.slot("a")]), np.array([0]), np.array([0]))
     _forward(step, "l0", query, metadata=None)
-    CAPTURE.rows = None
+    CAPTURE.clear()
     _forward(step, "l0", query)
     assert not ring.queries[0].any()
 
-    CAPTURE.rows = torch.tensor([0])  # and the same call with rows published does store
+    CAPTURE.publish(ring, np.array([ring.slot("a")]), np.array([0]), np.array([0]))  # published: stored
     _forward(step, "l0", query)
     assert ring.queries[0].any()
