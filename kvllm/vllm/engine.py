@@ -17,7 +17,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
-# vLLM's OpenAI API-server entry (``python -m API_SERVER_MODULE --model ...`` is `vllm serve`).
+# vLLM's OpenAI API-server entry (``python -m API_SERVER_MODULE --model ...`` is `vllm serve` with one API server).
 API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 
 
@@ -115,13 +115,29 @@ def engine_args_of_llm(model: str, kwargs: dict[str, Any]) -> Any:
 def run_api_server(argv: list[str]) -> None:
     """Run vLLM's OpenAI server with ``argv`` in this process, until it stops.
 
-    vLLM's server entry itself: vllm-cpu's ``vllm`` CLI looks up the metadata of a
-    distribution named "vllm", which vllm-cpu is not, and fails before parsing.
+    What ``vllm serve`` runs after parsing (``ServeSubcommand.cmd``), set up as vLLM's
+    server entry sets itself up: vllm-cpu's ``vllm`` CLI looks up the metadata of a
+    distribution named "vllm", which vllm-cpu is not, and fails before parsing. The
+    entry's own ``main`` always runs one API server in this process and ignores
+    ``--api-server-count`` (and ``--headless``); ``cmd`` honours them, spawning the API
+    servers and engines as ``vllm serve`` does. Without ``--api-server-count``,
+    ``kvllm serve`` keeps one API server, also with data parallelism (``vllm serve``
+    would start one per rank), as it always did.
     """
-    import importlib
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     sys.argv = ["kvllm-serve", *argv]
-    importlib.import_module(API_SERVER_MODULE).main()
+    cli_env_setup()
+    args = make_arg_parser(FlexibleArgumentParser(description="kvllm serve")).parse_args(argv)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    if args.api_server_count is None and not args.headless:
+        args.api_server_count = 1
+    ServeSubcommand.cmd(args)
 
 
 def model_kv_heads(model: str) -> int | None:

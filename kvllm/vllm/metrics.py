@@ -8,12 +8,14 @@ EC connectors (whose loggers assert that a connector is configured), and a custo
 logger can only be added through an entry-point group. So each engine writes its numbers
 into a tiny memory-mapped file of its own, one fixed record of float64s behind a seqlock,
 after every step (:class:`EnginePublisher`); the API process sums all engines' records
-whenever ``/metrics`` is scraped (:class:`Collector`). Nothing goes through vLLM, so the
-values are as live as the last engine step, whatever vLLM's own stats settings.
+whenever ``/metrics`` is scraped (:class:`Collector`); with several API processes
+(``--api-server-count``), each reads the same records and reports the same totals.
+Nothing goes through vLLM, so the values are as live as the last engine step, whatever
+vLLM's own stats settings.
 
 The directory is named in ``KVLLM_METRICS_DIR``; the first process that loads the plugin
-sets it (:func:`claim_directory`), so the engines it spawns inherit it, and removes it at
-exit. A record is ``[sequence, *FIELDS]``: the writer makes ``sequence`` odd while it
+sets it (:func:`claim_directory`), so the engines and API servers it spawns inherit it,
+and removes it at exit. A record is ``[sequence, *FIELDS]``: the writer makes ``sequence`` odd while it
 writes, so a reader that sees it odd or changed reads again.
 """
 

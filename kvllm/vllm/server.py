@@ -148,7 +148,9 @@ def install_api_hooks() -> None:
     """What the API process adds to vLLM's OpenAI server; idempotent.
 
     - the ``kvllm:*`` metrics on ``/metrics`` (:class:`kvllm.vllm.metrics.Collector`),
-      live: the engines publish after every step;
+      live: the engines publish after every step; on prometheus' global registry, which
+      one API server serves, and on each multiprocess registry, which several serve
+      (:func:`install_multiprocess_metrics`);
     - the request's compression statistics on the final chunk of a streamed response
       (:func:`install_streaming_stats`).
     """
@@ -161,7 +163,50 @@ def install_api_hooks() -> None:
     from kvllm.vllm.metrics import Collector
 
     REGISTRY.register(Collector())
+    install_multiprocess_metrics()
     install_streaming_stats()
+
+
+def install_multiprocess_metrics() -> None:
+    """Add the ``kvllm:*`` collector to every registry built on prometheus' multiprocess files.
+
+    With ``--api-server-count`` > 1, vLLM sets ``PROMETHEUS_MULTIPROC_DIR`` before it
+    spawns the API servers, and each of them answers ``/metrics`` from a registry that
+    holds only a ``MultiProcessCollector`` (merging the files every process writes its
+    vLLM metrics to), never from the global ``REGISTRY`` where :func:`install_api_hooks`
+    put KvLLM's collector: prometheus-fastapi-instrumentator's ``/metrics`` handler builds
+    such a registry at every scrape, and vLLM's ``get_prometheus_registry`` builds one for
+    ``/metrics/`` when the app is built. Both construct it as
+    ``prometheus_client.multiprocess.MultiProcessCollector(registry)``, looked up at call
+    time, so a subclass put in its place reaches every such registry; wrapping those two
+    call sites instead would mean patching a third-party handler defined inside a method.
+    No ``kvllm:*`` value is written to the multiprocess files: every API server reads the
+    engines' records in ``KVLLM_METRICS_DIR`` (inherited from the process that spawned it),
+    so each shows the same engine totals, not the sum over API servers. Without
+    ``PROMETHEUS_MULTIPROC_DIR`` nothing builds a ``MultiProcessCollector``, and the global
+    registry alone exports them, once.
+    """
+    from prometheus_client import multiprocess
+
+    from kvllm.vllm.metrics import Collector
+
+    original = multiprocess.MultiProcessCollector
+    if getattr(original, "_kvllm", False):
+        return
+
+    class MultiProcessCollector(original):  # type: ignore[misc, valid-type]
+        _kvllm = True
+
+        def __init__(self, registry: Any, path: str | None = None) -> None:
+            super().__init__(registry, path)
+            if not registry:  # as the original: no registry, nothing registered
+                return
+            try:
+                registry.register(Collector())
+            except ValueError:  # a kvllm Collector is on this registry already: once is enough
+                pass
+
+    multiprocess.MultiProcessCollector = MultiProcessCollector  # type: ignore[misc]
 
 
 def install_streaming_stats() -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvllm.vllm.metrics import FIELDS, Collector, EnginePublisher, read_totals
+from kvllm.vllm.metrics import ENV, FIELDS, Collector, EnginePublisher, read_totals
 from kvllm.vllm.server import _splice
 
 STATS = {"kvllm": {"method": "kara", "compressions": 3}}
@@ -47,6 +48,39 @@ def test_a_torn_record_is_never_read(tmp_path: Path) -> None:
     raw[0] |= 1  # a writer caught mid-record forever: odd sequence
     (tmp_path / "engine-9-0-0.bin").write_bytes(bytes(raw))
     assert read_totals(str(tmp_path))["compression_rounds"] == 1.0  # the torn one is skipped
+    publisher.close()
+
+
+def test_a_multiprocess_registry_exports_the_totals_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What an API server of `--api-server-count` > 1 serves: with PROMETHEUS_MULTIPROC_DIR
+    set, vLLM's /metrics route (and /metrics/) answers from a multiprocess registry, not the
+    global one; the kvllm:* metrics are on it once, live from the engines' records."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from prometheus_client import multiprocess
+    from vllm.entrypoints.serve.instrumentator.metrics import attach_router
+
+    from kvllm.vllm.server import install_multiprocess_metrics
+
+    (tmp_path / "prometheus").mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "prometheus"))
+    monkeypatch.setenv(ENV, str(tmp_path / "records"))
+    # Restored after the test: install_multiprocess_metrics replaces the class.
+    monkeypatch.setattr(multiprocess, "MultiProcessCollector", multiprocess.MultiProcessCollector)
+    install_multiprocess_metrics()
+    install_multiprocess_metrics()  # idempotent
+    publisher = EnginePublisher(str(tmp_path / "records"), 0)
+    app = FastAPI()
+    attach_router(app)
+    client = TestClient(app)
+    for rounds, path in enumerate(["/metrics", "/metrics/", "/metrics"]):
+        publisher.publish({"compression_rounds": rounds, "tokens_dropped": 8 * rounds})
+        lines = client.get(path).text.splitlines()
+        assert [line for line in lines if line.startswith("kvllm:compression_rounds_total")] == [
+            f"kvllm:compression_rounds_total {float(rounds)}"
+        ]
+        assert f"kvllm:tokens_dropped_total {8.0 * rounds}" in lines
+        assert not any(line.startswith("python_gc_objects_collected_total") for line in lines)  # not REGISTRY
     publisher.close()
 
 

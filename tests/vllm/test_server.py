@@ -7,6 +7,7 @@ import os
 import re
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -24,15 +25,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+FLAGS = ["--kv-window", "32", "--kv-buffer", "8", "--kv-period", "4", "--kv-retention", "0.25"]
+FLAGS += ["--dtype", "float32", "--block-size", "32", "--max-model-len", "512", "--enforce-eager"]
+FLAGS += ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "128", "--max-num-seqs", "32"]
+FLAGS += ["--chat-template", TEMPLATE]
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    flags = ["--kv-window", "32", "--kv-buffer", "8", "--kv-period", "4", "--kv-retention", "0.25"]
-    flags += ["--dtype", "float32", "--block-size", "32", "--max-model-len", "512", "--enforce-eager"]
-    flags += ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "128", "--max-num-seqs", "32"]
-    flags += ["--chat-template", TEMPLATE]
-    process, base = start_server(tiny_model, _free_port(), flags, log=log, env=env)
+    process, base = start_server(tiny_model, _free_port(), FLAGS, log=log, env=_env())
     with serving(process, base, log) as url:
         yield url
 
@@ -125,9 +131,12 @@ def test_tiny_prompt_is_refused_and_server_survives(server: str, tiny_model: str
 STATS = ("method", "retention", "logical_length", "physical_length", "compressions", "tokens_dropped", "blocks_freed")
 
 
-def _metrics(base: str) -> dict[str, float]:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
+def _kvllm(text: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^kvllm:(\w+) (\S+)$", text, re.M)}
+
+
+def _metrics(base: str) -> dict[str, float]:
+    return _kvllm(httpx.get(f"{base}/metrics", timeout=10).text)
 
 
 def _chat(server: str, model: str, prompt: str, max_tokens: int, **extra: object) -> object:
@@ -265,3 +274,41 @@ def test_compression_metrics_are_exported(server: str, tiny_model: str) -> None:
     assert values["compress_seconds_total"] > 0
     # vLLM's own metrics keep their names.
     assert re.search(r"^vllm:kv_cache_usage_perc\{", httpx.get(f"{server}/metrics", timeout=10).text, re.M)
+
+
+def test_metrics_with_two_api_servers(tiny_model: str, tmp_path: Path) -> None:
+    """`--api-server-count 2`: each API server answers /metrics from a prometheus
+    multiprocess registry, which carries the kvllm:* metrics too: the engine's totals,
+    the same from either server and equal to the one request's own statistics (read
+    once, not summed over the API servers)."""
+    log = tmp_path / "server.log"
+    flags = [*FLAGS, "--api-server-count", "2"]
+    process, base = start_server(tiny_model, _free_port(), flags, log=log, env=_env())
+    with serving(process, base, log) as url:
+        # vLLM accepts a new connection in the least loaded API server, so two connections
+        # held open land on the two servers; the fresh ones may go to either.
+        with httpx.Client(base_url=url, timeout=10) as a, httpx.Client(base_url=url, timeout=10) as b:
+
+            def scrape() -> list[str]:
+                texts = [a.get("/metrics").text, b.get("/metrics").text]
+                return texts + [httpx.get(f"{url}/metrics", timeout=10).text for _ in range(4)]
+
+            before = scrape()
+            # The multiprocess registry answered, not the global one (which has the python_gc
+            # collector): there really are several API servers.
+            assert not any("python_gc_objects_collected_total" in text for text in before)
+            assert all(_kvllm(text).get("compression_rounds_total") == 0 for text in before), before[0]
+            response = a.post(
+                "/v1/completions",
+                json={"model": tiny_model, "prompt": PROMPTS[2], "max_tokens": 100, "ignore_eos": True},
+                timeout=120,
+            )
+            assert response.status_code == 200, response.text
+            stats = response.json()["kv_transfer_params"]["kvllm"]
+            assert stats["compressions"] > 0 and stats["tokens_dropped"] > 0
+            for text in scrape():
+                values = _kvllm(text)
+                assert values["compression_rounds_total"] == stats["compressions"], text
+                assert values["tokens_dropped_total"] == stats["tokens_dropped"]
+                assert values["kv_logical_tokens"] == values["kv_blocks_used"] == 0
+                assert re.search(r"^vllm:request_success_total\{", text, re.M)  # vLLM's own, merged

@@ -164,3 +164,27 @@ def test_serve_checks_tensor_parallelism_and_binds_threads(tiny_model: str, monk
     assert started == []
     server.serve(tiny_model, KARA, ["--tensor-parallel-size", "2"], 5)
     assert ranks == [2] and "--tensor-parallel-size" in started[0]
+
+
+@pytest.mark.parametrize(("flags", "count"), [([], 1), (["--api-server-count", "2"], 2), (["--headless"], 0)])
+def test_serve_dispatches_like_vllm_serve(flags: list[str], count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvllm serve` goes through `vllm serve`'s dispatch, so `--api-server-count` and
+    `--headless` are honoured (vLLM's API-server entry ignores both); one API server in
+    this process without them, also with data parallelism. Nothing is started here."""
+    import sys
+
+    import vllm.entrypoints.cli.serve as vllm_serve
+
+    monkeypatch.setattr(sys, "argv", sys.argv)  # run_api_server sets them; restored after
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's CLI setup sets
+    ran: list[tuple[str, int | None]] = []
+
+    async def one_server(args: object) -> None:
+        ran.append(("one", args.api_server_count))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(vllm_serve, "run_server", one_server)
+    monkeypatch.setattr(vllm_serve, "run_multi_api_server", lambda args: ran.append(("multi", args.api_server_count)))
+    monkeypatch.setattr(vllm_serve, "run_headless", lambda args: ran.append(("headless", args.api_server_count)))
+    engine.run_api_server(["--model", "m", "--data-parallel-size", "2", *flags])
+    kind = {0: "headless", 1: "one", 2: "multi"}[count]
+    assert ran == [(kind, None if count == 1 else count)]
