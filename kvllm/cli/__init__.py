@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from kvllm.cli.bench import bench_selection, bench_serve, bench_throughput
+from kvllm.cli.bench import bench_selection, bench_serve, bench_soak, bench_throughput
 from kvllm.cli.evaluate import evaluate
 from kvllm.cli.generate import generate
 from kvllm.cli.serve import serve
@@ -22,6 +22,7 @@ app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options"
 bench_app.command("selection")(bench_selection)
 bench_app.command("throughput")(bench_throughput)
 bench_app.command("serve")(bench_serve)
+bench_app.command("soak")(bench_soak)
 
 
 @app.callback()

@@ -1,4 +1,4 @@
-"""``kvllm bench``: selection timing and the throughput sweep."""
+"""``kvllm bench``: selection timing, the throughput sweep, the serving benchmark and the soak."""
 
 from __future__ import annotations
 
@@ -161,3 +161,44 @@ def bench_serve(
     cells = write_report(rows, out, title=f"{path.name}, {output_len} output tokens/request, pool {pool} blocks")
     console.print((out / "summary.md").read_text(), markup=False, highlight=False)
     console.print(f"{len(cells)} cells; wrote {out}/results.csv, results.json, summary.json, summary.md, serving.png")
+
+
+def bench_soak(
+    model: Model = None,
+    shape: Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")] = None,
+    requests: Annotated[int, typer.Option(help="Requests sent in all.")] = 10_000,
+    concurrency: Annotated[int, typer.Option(help="Client tasks sending back to back.")] = 64,
+    output_min: Annotated[int, typer.Option(help="Shortest output (tokens, EOS ignored).")] = 16,
+    output_max: Annotated[int, typer.Option(help="Longest output.")] = 256,
+    prompt_max: Annotated[int, typer.Option(help="Longest prompt (random token ids, at least 5).")] = 200,
+    cancel: Annotated[float, typer.Option(help="Share of requests the client cancels part-way.")] = 0.2,
+    override: Annotated[float, typer.Option(help="Share with a per-request kvllm override.")] = 0.3,
+    pool: Annotated[int, typer.Option(help="KV pool in blocks: small enough to preempt.")] = 192,
+    retention: Retention = D.retention,
+    window: Annotated[int, typer.Option(help="Compression window W (the soak's default runs many rounds).")] = 64,
+    buffer: Annotated[int, typer.Option(help="Protected buffer b.")] = 16,
+    period: Annotated[int, typer.Option(help="Compression period P.")] = 8,
+    out: Annotated[Path, typer.Option(help="Output folder.")] = Path("bench-soak"),
+) -> None:
+    """Soak kvllm serve: many mixed, cancelled, overridden requests; then check nothing was lost."""
+    from kvllm.bench.shapes import shape_model
+    from kvllm.bench.soak import Soak, run_soak, write_report
+
+    if model is not None and shape is not None:
+        raise typer.BadParameter("give --model or --shape, not both")
+    try:
+        path = shape_model(shape) if shape is not None else model_path(model)
+        soak = Soak(
+            model=str(path), out=out, requests=requests, concurrency=concurrency, output_min=output_min,
+            output_max=output_max, prompt_max=prompt_max, cancel=cancel, override=override, pool_blocks=pool,
+            compression=make_config(retention=retention, window=window, buffer=buffer, period=period),
+        )  # fmt: skip
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    with progress() as bar:
+        job = bar.add_task("soak", total=requests)
+        report = run_soak(soak, lambda outcome: bar.update(job, advance=1, description=f"soak ({outcome})"))
+    write_report(report, out)
+    console.print((out / "soak.md").read_text(), markup=False, highlight=False)
+    if not report["ok"]:
+        raise typer.Exit(1)
