@@ -173,7 +173,10 @@ def bench_soak(
     prompt_max: Annotated[int, typer.Option(help="Longest prompt (random token ids, at least 5).")] = 200,
     cancel: Annotated[float, typer.Option(help="Share of requests the client cancels part-way.")] = 0.2,
     override: Annotated[float, typer.Option(help="Share with a per-request kvllm override.")] = 0.3,
+    bad: Annotated[float, typer.Option(help="Share with an invalid override (each must get HTTP 400).")] = 0.01,
     pool: Annotated[int, typer.Option(help="KV pool in blocks: small enough to preempt.")] = 192,
+    warmup: Annotated[float, typer.Option(help="Share of requests after which RSS is the reference.")] = 0.1,
+    rss_tolerance: Annotated[float, typer.Option(help="Growth over the reference RSS allowed (0.1 = 10%).")] = 0.1,
     retention: Retention = D.retention,
     window: Annotated[int, typer.Option(help="Compression window W (the soak's default runs many rounds).")] = 64,
     buffer: Annotated[int, typer.Option(help="Protected buffer b.")] = 16,
@@ -190,7 +193,8 @@ def bench_soak(
         path = shape_model(shape) if shape is not None else model_path(model)
         soak = Soak(
             model=str(path), out=out, requests=requests, concurrency=concurrency, output_min=output_min,
-            output_max=output_max, prompt_max=prompt_max, cancel=cancel, override=override, pool_blocks=pool,
+            output_max=output_max, prompt_max=prompt_max, cancel=cancel, override=override, bad=bad, pool_blocks=pool,
+            warmup=warmup, rss_tolerance=rss_tolerance,
             compression=make_config(retention=retention, window=window, buffer=buffer, period=period),
         )  # fmt: skip
     except ValueError as err:

@@ -311,8 +311,13 @@ class CompressingScheduler(Scheduler):
 
     def _connector_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super()._connector_finished(request)
+        if request.request_id not in self.kv_requests and request.num_computed_tokens:
+            # It finished without a decode step of its own (max_tokens=1, or the last token
+            # came from the prefill that recomputed it after preemption): no rounds, but
+            # its statistics still say what it held and how it was configured.
+            self._tracked(request)
         entry = self.kv_requests.pop(request.request_id, None)
-        if entry is None:
+        if entry is None:  # aborted before any of it was computed
             return delay, params
         # Lengths as of the last forward (the state was last synced when planning it).
         entry.state.logical_length = request.num_computed_tokens

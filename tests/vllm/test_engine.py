@@ -59,9 +59,10 @@ def test_keep_all_matches_vanilla_under_preemption(tiny_model: str) -> None:
     with engine(tiny_model, None, plugin=False, **small) as vanilla:
         expected = token_ids(vanilla.generate(PROMPTS, greedy(160)))
     with engine(tiny_model, KEEP_ALL, **small) as llm:
-        got = token_ids(llm.generate(PROMPTS, greedy(160)))
+        outs = llm.generate(PROMPTS, greedy(160))
         assert scheduler(llm).kv_totals.preemptions > 0
-    assert got == expected
+    assert token_ids(outs) == expected
+    assert all(o.compression is not None for o in outs)
 
 
 @pytest.mark.parametrize(("method", "period"), [("kara", 1), ("kara", 16), ("snapkv", 16), ("random", 4)])
@@ -132,6 +133,8 @@ def test_per_request_overrides(tiny_model: str) -> None:
                 greedy(120, extra_args={"kvllm": {"off": True}}),
             ],
         )
+        # Finished by its prefill, before any decode step: statistics all the same.
+        (one,) = llm.generate(PROMPTS[:1], greedy(1))
         with pytest.raises(ValueError, match="retention"):
             llm.generate(PROMPTS[:1], greedy(8, extra_args={"kvllm": {"retention": 0}}))
         with pytest.raises(ValueError, match="unknown field"):
@@ -141,6 +144,8 @@ def test_per_request_overrides(tiny_model: str) -> None:
     assert (snap["method"], snap["retention"]) == ("snapkv", 0.5)
     assert snap["tokens_dropped"] < kara["tokens_dropped"]
     assert off["compressions"] == 0 and off["method"] is None
+    assert one.compression["method"] == "kara" and one.compression["compressions"] == 0
+    assert one.compression["logical_length"] == len(one.prompt_token_ids)
 
 
 def test_threshold_policy_recompresses_to_budget(tiny_model: str) -> None:
