@@ -28,7 +28,7 @@ import random
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,7 +195,7 @@ async def _stream(client: Any, url: str, model: str, request: Request) -> dict[s
         if response.status_code != 200:
             return _judge(request, response.status_code, json.loads(await response.aread()))
         chunks, text_chunks, finish, usage, stats = 0, 0, None, None, None
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response.aiter_bytes()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
@@ -210,6 +210,23 @@ async def _stream(client: Any, url: str, model: str, request: Request) -> dict[s
     tokens = (usage or {}).get("completion_tokens")
     return _judge(request, 200, {"choices": [{"finish_reason": finish}], "usage": {"completion_tokens": tokens},
                                  "kv_transfer_params": {"kvllm": stats} if stats is not None else None})  # fmt: skip
+
+
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream, split only where SSE splits them.
+
+    Not httpx's ``aiter_lines``: it splits like ``str.splitlines``, also at U+0085,
+    U+2028 and U+2029, which JSON leaves unescaped inside strings, so a generated text
+    holding one cut its chunk in two (the first soak lost a request to it).
+    """
+    buffer = b""
+    async for data in chunks:
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode()
+    if buffer:
+        yield buffer.rstrip(b"\r").decode()
 
 
 def _judge(request: Request, status: int, data: dict[str, Any]) -> dict[str, Any]:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from kvllm.bench.soak import BAD_OVERRIDE, Request, Soak, _judge, checks, draw
+from kvllm.bench.soak import BAD_OVERRIDE, Request, Soak, _judge, checks, draw, sse_lines
 from kvllm.cli import app
 from kvllm.testing import save_tiny_model
 
@@ -32,6 +34,25 @@ def test_the_draw_is_seeded_and_mixed(tmp_path: Path) -> None:
     assert abs(share["override"] - 0.3) < 0.05
     # A stream is cut within its own length.
     assert all(r.cancel_after <= r.max_tokens for r in requests if r.stream and r.cancel_after is not None)
+
+
+def test_sse_lines_split_only_at_line_feeds() -> None:
+    """A text holding U+2028 or U+0085 (left raw by JSON) stays in one event, whatever
+    byte boundaries the stream arrives with."""
+    events = [json.dumps({"text": t}, ensure_ascii=False) for t in ("a\u2028b", "c\x85d", "e")]
+    raw = "".join(f"data: {e}\r\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+
+    async def chunks(size: int) -> AsyncIterator[bytes]:
+        for i in range(0, len(raw), size):
+            yield raw[i : i + size]
+
+    async def lines(size: int) -> list[str]:
+        return [line async for line in sse_lines(chunks(size)) if line]
+
+    for size in (1, 3, 7, len(raw)):
+        got = asyncio.run(lines(size))
+        assert [json.loads(line[6:])["text"] for line in got[:3]] == ["a\u2028b", "c\x85d", "e"]
+        assert got[3] == "data: [DONE]"
 
 
 def _request(bad: bool = False, max_tokens: int = 8) -> Request:
