@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import time
@@ -47,6 +48,9 @@ OVERRIDES: tuple[dict[str, Any], ...] = (
 )
 BAD_OVERRIDE: dict[str, Any] = {"retention": 0}
 OUTCOMES = ("finished", "cancelled", "rejected", "failed")
+# kvllm serve, or vLLM's own API server without the plugin (the same soak, as the
+# baseline of the memory check).
+SYSTEMS = ("kara", "vanilla")
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,8 @@ class Soak:
         Shares with a valid per-request override, and with an invalid one.
     stream
         Share of requests that stream.
+    system
+        ``kara`` (``kvllm serve``) or ``vanilla`` (vLLM's server, no statistics).
     pool_blocks
         The server's KV pool (``--num-gpu-blocks-override``): small enough to preempt.
     warmup
@@ -94,9 +100,14 @@ class Soak:
     warmup: float = 0.1
     rss_tolerance: float = 0.10
     compression: CompressionConfig = field(default_factory=lambda: CompressionConfig(window=64, buffer=16, period=8))
+    system: str = "kara"
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"--system {self.system!r} is invalid: must be one of {', '.join(SYSTEMS)}")
+        if self.system == "vanilla" and (self.override or self.bad):
+            raise ValueError("--system vanilla needs --override 0 --bad 0: vLLM's own server has no kvllm field")
         if self.requests < 1 or self.concurrency < 1:
             raise ValueError(f"--requests {self.requests} / --concurrency {self.concurrency} is invalid: must be >= 1")
         if not 5 <= self.prompt_min <= self.prompt_max:
@@ -118,11 +129,15 @@ class Soak:
 
     def server_flags(self) -> list[str]:
         c = self.compression
-        return [
+        flags = [
             "--dtype", "float32", "--block-size", str(c.block_size), "--num-gpu-blocks-override",
             str(self.pool_blocks), "--max-num-seqs", str(self.max_num_seqs), "--max-model-len",
             str(self.max_model_len), "--enforce-eager", "--gpu-memory-utilization", "0.3", "--seed", str(self.seed),
-            "--kv-compression", c.method, "--kv-retention", str(c.retention), "--kv-window", str(c.window),
+        ]  # fmt: skip
+        if self.system == "vanilla":
+            return flags
+        return [
+            *flags, "--kv-compression", c.method, "--kv-retention", str(c.retention), "--kv-window", str(c.window),
             "--kv-buffer", str(c.buffer), "--kv-period", str(c.period),
         ]  # fmt: skip
 
@@ -138,6 +153,7 @@ class Request:
     override: dict[str, Any] | None
     bad: bool
     cancel_after: int | None  # streamed chunks (streaming) or milliseconds (non-streaming)
+    stats: bool = True  # its response must carry kvllm's statistics
 
 
 def draw(soak: Soak, vocab: int) -> list[Request]:
@@ -156,7 +172,7 @@ def draw(soak: Soak, vocab: int) -> list[Request]:
             # A stream is closed after some of its chunks; a non-streaming request after
             # a delay that may or may not outlast it (both happen to real clients).
             cancel_after = rng.randint(1, max_tokens) if stream else rng.randint(10, 2000)
-        out.append(Request(i, prompt, max_tokens, stream, override, bad, cancel_after))
+        out.append(Request(i, prompt, max_tokens, stream, override, bad, cancel_after, soak.system == "kara"))
     return out
 
 
@@ -240,8 +256,9 @@ def _judge(request: Request, status: int, data: dict[str, Any]) -> dict[str, Any
     if tokens != request.max_tokens or finish != "length":
         return {"outcome": "failed", "why": f"{tokens} of {request.max_tokens} tokens, finish {finish!r}"}
     stats = (data.get("kv_transfer_params") or {}).get("kvllm")
-    if stats is None:
+    if stats is None and request.stats:
         return {"outcome": "failed", "why": "no statistics"}
+    stats = stats or {}
     return {"outcome": "finished", "rounds": stats.get("compressions", 0), "off": stats.get("method") is None}
 
 
@@ -343,7 +360,9 @@ def run_soak(soak: Soak, tick: Callable[[str], None]) -> dict[str, Any]:
     vocab = AutoConfig.from_pretrained(soak.model).vocab_size
     requests = draw(soak, vocab)
     log = soak.out / "server.log"
-    process, base = start_server(soak.model, free_port(), soak.server_flags(), log=log)
+    vanilla = soak.system == "vanilla"
+    env = {**os.environ, "VLLM_PLUGINS": "no-plugin"} if vanilla else None  # a name matching no plugin
+    process, base = start_server(soak.model, free_port(), soak.server_flags(), log=log, env=env, vllm=vanilla)
     try:
         try:
             wait_healthy(process, base, timeout=600)

@@ -166,6 +166,7 @@ def bench_serve(
 def bench_soak(
     model: Model = None,
     shape: Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")] = None,
+    system: Annotated[str, typer.Option(help="kara (kvllm serve) or vanilla (vLLM's server: the baseline).")] = "kara",
     requests: Annotated[int, typer.Option(help="Requests sent in all.")] = 10_000,
     concurrency: Annotated[int, typer.Option(help="Client tasks sending back to back.")] = 64,
     output_min: Annotated[int, typer.Option(help="Shortest output (tokens, EOS ignored).")] = 16,
@@ -192,7 +193,7 @@ def bench_soak(
     try:
         path = shape_model(shape) if shape is not None else model_path(model)
         soak = Soak(
-            model=str(path), out=out, requests=requests, concurrency=concurrency, output_min=output_min,
+            model=str(path), out=out, system=system, requests=requests, concurrency=concurrency, output_min=output_min,
             output_max=output_max, prompt_max=prompt_max, cancel=cancel, override=override, bad=bad, pool_blocks=pool,
             warmup=warmup, rss_tolerance=rss_tolerance,
             compression=make_config(retention=retention, window=window, buffer=buffer, period=period),

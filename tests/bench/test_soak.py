@@ -99,6 +99,8 @@ def test_verdicts_catch_a_lost_request_a_held_block_and_growing_memory(tmp_path:
         ({"cancel": 1.5}, "--cancel 1.5"),
         ({"override": 0.995}, r"--override 0.995 \+ --bad"),
         ({"pool_blocks": 3}, "--pool 3 is invalid"),
+        ({"system": "sglang"}, "--system 'sglang'"),
+        ({"system": "vanilla"}, "--override 0 --bad 0"),
     ],
 )
 def test_bad_soaks_fail_before_any_server(tmp_path: Path, kwargs: dict, match: str) -> None:
