@@ -25,6 +25,7 @@ from typing import Any
 
 from kvllm.config import CompressionConfig
 from kvllm.vllm import engine
+from kvllm.vllm.metrics import ENV as METRICS_ENV
 from kvllm.vllm.settings import (
     KEY,
     OVERRIDABLE,
@@ -375,6 +376,11 @@ def serve(
     # Before vLLM is first imported (by parsing the flags): the plugin reads it at load
     # time to install the metrics in this process.
     os.environ[ENV] = json.dumps(settings)
+    # A server is the root of its own metrics: a metrics directory inherited from the
+    # process that started it (one that loaded the plugin, e.g. a test run or another
+    # server's launcher) would hold other engines' records, summed into this /metrics.
+    # The plugin claims a fresh one as it loads.
+    os.environ.pop(METRICS_ENV, None)
     argv = serve_argv(model, compression, flags)
     args = engine.parse_server_args(argv)
     if compression is not None:
