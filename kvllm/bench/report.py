@@ -136,15 +136,20 @@ def _ratios(by: dict[tuple, dict[str, Any]], mine: list[dict[str, Any]], to: tup
     return [r["tok_s"] / by[(*to, r["repeat"])]["tok_s"] for r in mine if (*to, r["repeat"]) in by]
 
 
+def write_results(rows: Sequence[dict[str, Any]], out: Path, columns: Sequence[str]) -> None:
+    """``results.csv`` (``columns`` only) and ``results.json`` (every field) under ``out``."""
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "results.json").write_text(json.dumps(list(rows), indent=1) + "\n")
+
+
 def write_report(rows: Sequence[dict[str, Any]], out: Path, title: str = "") -> dict[str, Any]:
     """results.csv, results.json (with pool-usage traces), summary.json/md, and three PNGs."""
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(rows, key=lambda r: (r["pool_blocks"], r["concurrency"], r["system"], r["repeat"]))
-    with (out / "results.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=SCALARS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "results.json").write_text(json.dumps(list(rows), indent=1) + "\n")
+    write_results(rows, out, SCALARS)
     summary = summarize(rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(markdown_table(summary))

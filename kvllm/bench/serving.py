@@ -136,15 +136,16 @@ def client_args(bench: ServeBench, base: str, kind: str, value: float, result_di
     return parser.parse_args(argv)
 
 
-def counters(base: str) -> dict[str, float]:
-    """The :data:`COUNTERS` from ``/metrics`` (0 for one the server does not export)."""
+def counters(base: str, names: dict[str, str] = COUNTERS) -> dict[str, float]:
+    """``names`` (key -> metric) from ``/metrics``, each summed over its label sets (0 for
+    one the server does not export)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{base}/metrics", timeout=10).text
-    totals = dict.fromkeys(COUNTERS, 0.0)
+    totals = dict.fromkeys(names, 0.0)
     for family in text_string_to_metric_families(text):
-        for key, name in COUNTERS.items():
+        for key, name in names.items():
             if family.name in (name, name.removesuffix("_total")):
                 totals[key] += sum(s.value for s in family.samples if not s.name.endswith("_created"))
     return totals

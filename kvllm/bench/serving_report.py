@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from collections.abc import Sequence
@@ -14,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt
 
+from kvllm.bench.report import write_results
 from kvllm.bench.serving import FIGURES, PERCENTILES, SYSTEMS
 from kvllm.plots import save_figure
 
@@ -97,11 +97,7 @@ def write_report(rows: Sequence[dict[str, Any]], out: Path, title: str = "") -> 
     """results.csv, results.json, summary.json, summary.md and serving.png under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(rows, key=lambda r: (r["load"], r["value"], r["system"], r["repeat"]))
-    with (out / "results.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "results.json").write_text(json.dumps(list(rows), indent=1) + "\n")
+    write_results(rows, out, list(rows[0]))
     cells = summarize(rows)
     (out / "summary.json").write_text(json.dumps(cells, indent=1) + "\n")
     (out / "summary.md").write_text(markdown_table(cells))

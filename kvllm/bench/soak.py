@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvllm.bench.serving import counters, free_port
 from kvllm.config import CompressionConfig
 
 # Per-request overrides the soak draws from (each valid for a uniform paged engine), and
@@ -210,14 +210,13 @@ async def _stream(client: Any, url: str, model: str, request: Request) -> dict[s
     async with client.stream("POST", url, json=body(model, request)) as response:
         if response.status_code != 200:
             return _judge(request, response.status_code, json.loads(await response.aread()))
-        chunks, text_chunks, finish, usage, stats = 0, 0, None, None, None
+        chunks, finish, usage, stats = 0, None, None, None
         async for line in sse_lines(response.aiter_bytes()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
             chunks += 1
             for choice in chunk.get("choices") or []:
-                text_chunks += 1
                 finish = choice.get("finish_reason") or finish
             usage = chunk.get("usage") or usage
             stats = (chunk.get("kv_transfer_params") or {}).get("kvllm", stats)
@@ -262,18 +261,13 @@ def _judge(request: Request, status: int, data: dict[str, Any]) -> dict[str, Any
     return {"outcome": "finished", "rounds": stats.get("compressions", 0), "off": stats.get("method") is None}
 
 
-def gauges(base: str) -> dict[str, float]:
-    """The idle checks' gauges from ``/metrics`` (vLLM's summed over label sets)."""
-    import httpx
-
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    out: dict[str, float] = {}
+# The idle checks' metrics: vLLM's gauges and counters, and KvLLM's.
+GAUGES = {
+    name.split(":")[1]: name
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:num_preemptions_total", "kvllm:kv_blocks_used", "kvllm:compression_rounds_total",
-                 "kvllm:blocks_freed_total"):  # fmt: skip
-        values = re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
-        out[name.split(":")[1]] = sum(float(v) for v in values)
-    return out
+                 "kvllm:blocks_freed_total")
+}  # fmt: skip
 
 
 def rss(pid: int) -> dict[str, float]:
@@ -320,7 +314,7 @@ def wait_idle(base: str, timeout: float = 60) -> dict[str, float]:
     """Gauges once nothing runs or waits (after ``timeout`` s, whatever they are)."""
     start = time.monotonic()
     while True:
-        now = gauges(base)
+        now = counters(base, GAUGES)
         idle = now["num_requests_running"] == 0 and now["num_requests_waiting"] == 0 and now["kv_blocks_used"] == 0
         if idle or time.monotonic() - start > timeout:
             return now
@@ -330,7 +324,6 @@ def wait_idle(base: str, timeout: float = 60) -> dict[str, float]:
 def checks(soak: Soak, outcomes: list[dict[str, Any]], idle: dict[str, float], samples: list[dict]) -> dict:
     """The soak's verdicts, each with the figures behind it."""
     counts = Counter(o.get("outcome", "lost") for o in outcomes)
-    expected_bad = sum(1 for o in outcomes if o.get("outcome") == "rejected")
     lost = soak.requests - sum(counts[k] for k in ("finished", "cancelled", "rejected"))
     blocks = {k: idle[k] for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                                    "kv_blocks_used")}  # fmt: skip
@@ -342,7 +335,7 @@ def checks(soak: Soak, outcomes: list[dict[str, Any]], idle: dict[str, float], s
             series = [s[name] for s in after if name in s]
             growth[name] = round(max(series) / series[0] - 1, 4)
     return {
-        "no_request_lost": {"ok": lost == 0, "lost": lost, "counts": dict(counts), "rejected": expected_bad},
+        "no_request_lost": {"ok": lost == 0, "lost": lost, "counts": dict(counts)},
         "every_block_back": {"ok": all(v == 0 for v in blocks.values()), **blocks},
         "rss_flat": {"ok": bool(growth) and all(g <= soak.rss_tolerance for g in growth.values()),
                      "growth_after_warmup": growth, "reference_at": reference_at},
@@ -353,7 +346,6 @@ def run_soak(soak: Soak, tick: Callable[[str], None]) -> dict[str, Any]:
     """Start ``kvllm serve``, run the soak, check it, stop the server; writes ``soak.json``."""
     from transformers import AutoConfig
 
-    from kvllm.bench.serving import free_port
     from kvllm.vllm.launch import start_server, stop, wait_healthy
 
     soak.out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,6 @@ from typing import Annotated
 
 import typer
 
-from kvllm.bench.shapes import SHAPES
 from kvllm.cli.options import (
     ALL_SYSTEMS,
     CONCURRENCY,
@@ -20,10 +19,11 @@ from kvllm.cli.options import (
     Model,
     Period,
     Retention,
+    Shape,
     Window,
     console,
     make_config,
-    model_path,
+    model_or_shape,
     progress,
     split,
 )
@@ -52,7 +52,7 @@ def bench_selection(
 
 def bench_throughput(
     model: Model = None,
-    shape: Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")] = None,
+    shape: Shape = None,
     system: Annotated[list[str], typer.Option(help="Systems (repeatable or commas).")] = ALL_SYSTEMS,
     concurrency: Annotated[list[str], typer.Option(help="Requests in flight (repeatable or commas).")] = CONCURRENCY,
     pool: Annotated[
@@ -78,12 +78,10 @@ def bench_throughput(
 ) -> None:
     """Output throughput vs concurrency under a small KV pool: vanilla vLLM vs KvLLM."""
     from kvllm.bench.report import summary_rich, write_report
-    from kvllm.bench.shapes import shape_model
     from kvllm.bench.sweep import Sweep, run_sweep
     from kvllm.bench.throughput import Workload, matched_threshold_budget
 
-    if model is not None and shape is not None:
-        raise typer.BadParameter("give --model or --shape, not both")
+    path = model_or_shape(model, shape)
     if threshold_budget is None:
         kara = make_config(retention=retention, window=window, buffer=buffer, period=period)
         threshold_budget = matched_threshold_budget(kara, output_max or output_tokens, threshold_interval)
@@ -92,7 +90,6 @@ def bench_throughput(
         threshold_interval=threshold_interval,
     )  # fmt: skip
     try:
-        path = shape_model(shape) if shape is not None else model_path(model)
         sweep = Sweep(
             model=str(path), out=out, systems=tuple(split(system)), concurrency=tuple(split(concurrency, int)),
             pools=tuple(_pool(p) for p in split(pool)), repeats=repeats, retention=retention,
@@ -120,7 +117,7 @@ def _pool(value: str) -> int | str:
 
 def bench_serve(
     model: Model = None,
-    shape: Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")] = None,
+    shape: Shape = None,
     system: Annotated[list[str], typer.Option(help="Servers: vanilla (vLLM's), kara (kvllm serve).")] = SERVERS,
     concurrency: Annotated[
         list[str], typer.Option(help="Load points: requests in flight (commas).")
@@ -141,13 +138,10 @@ def bench_serve(
     """Serving benchmark: vLLM's API server vs kvllm serve, with vLLM's own client (TTFT/TPOT/ITL)."""
     from kvllm.bench.serving import ServeBench, run_bench
     from kvllm.bench.serving_report import write_report
-    from kvllm.bench.shapes import shape_model
 
-    if model is not None and shape is not None:
-        raise typer.BadParameter("give --model or --shape, not both")
+    path = model_or_shape(model, shape)
     compression = make_config(retention=retention, window=window, buffer=buffer, period=period)
     try:
-        path = shape_model(shape) if shape is not None else model_path(model)
         bench = ServeBench(
             model=str(path), out=out, systems=tuple(split(system)), concurrency=tuple(split(concurrency, int)),
             rates=tuple(split(rate or [], float)), prompts=prompts, input_len=input_len, output_len=output_len,
@@ -165,7 +159,7 @@ def bench_serve(
 
 def bench_soak(
     model: Model = None,
-    shape: Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")] = None,
+    shape: Shape = None,
     system: Annotated[str, typer.Option(help="kara (kvllm serve) or vanilla (vLLM's server: the baseline).")] = "kara",
     requests: Annotated[int, typer.Option(help="Requests sent in all.")] = 10_000,
     concurrency: Annotated[int, typer.Option(help="Client tasks sending back to back.")] = 64,
@@ -185,13 +179,10 @@ def bench_soak(
     out: Annotated[Path, typer.Option(help="Output folder.")] = Path("bench-soak"),
 ) -> None:
     """Soak kvllm serve: many mixed, cancelled, overridden requests; then check nothing was lost."""
-    from kvllm.bench.shapes import shape_model
     from kvllm.bench.soak import Soak, run_soak, write_report
 
-    if model is not None and shape is not None:
-        raise typer.BadParameter("give --model or --shape, not both")
+    path = model_or_shape(model, shape)
     try:
-        path = shape_model(shape) if shape is not None else model_path(model)
         soak = Soak(
             model=str(path), out=out, system=system, requests=requests, concurrency=concurrency, output_min=output_min,
             output_max=output_max, prompt_max=prompt_max, cancel=cancel, override=override, bad=bad, pool_blocks=pool,

@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvllm.bench.shapes import SHAPES
 from kvllm.bench.throughput import SYSTEMS
 from kvllm.config import POLICIES, CompressionConfig
 from kvllm.eval.grid import DEFAULT_RETENTIONS
@@ -36,6 +37,7 @@ SERVERS = ["vanilla,kara"]
 SERVE_CONCURRENCY = ["16,32"]
 
 Model = Annotated[Path | None, typer.Option(help="Local model directory (transformers format); default: shipped.")]
+Shape = Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")]
 Retention = Annotated[float, typer.Option(help="Fraction of each window kept, in (0, 1].")]
 Window = Annotated[int, typer.Option(help="Window W: compressible tokens (a multiple of the block size).")]
 Buffer = Annotated[int, typer.Option(help="Protected buffer b at the window's end.")]
@@ -83,6 +85,20 @@ def model_path(model: Path | None) -> Path:
     if not path.is_dir():
         raise typer.BadParameter(f"--model {path} is not a model directory")
     return path
+
+
+def model_or_shape(model: Path | None, shape: str | None) -> Path:
+    """``--model`` (or the shipped default), or the random-weight model of ``--shape``."""
+    from kvllm.bench.shapes import shape_model
+
+    if model is not None and shape is not None:
+        raise typer.BadParameter("give --model or --shape, not both")
+    if shape is None:
+        return model_path(model)
+    try:
+        return shape_model(shape)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
 
 
 def load_model(model: Path | None) -> tuple[Any, Any]:
