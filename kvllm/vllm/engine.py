@@ -64,6 +64,11 @@ def block_pool_usage(scheduler: Any) -> tuple[int, int]:
     return usable - pool.get_num_free_blocks(), usable
 
 
+def held_blocks(scheduler: Any, request_id: str) -> int:
+    """KV blocks ``request_id`` holds now (under KvLLM's scheduler: its physical blocks)."""
+    return scheduler.kv_cache_manager.held_blocks(request_id)
+
+
 def running_requests(scheduler: Any) -> int:
     """Requests the scheduler holds as running now."""
     return len(scheduler.running)

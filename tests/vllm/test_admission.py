@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvllm.config import CompressionConfig
 from kvllm.policy import physical_growth
 from kvllm.vllm.admission import Footprint, admissible, project
-from kvllm.vllm.engine import scheduler_of
+from kvllm.vllm.engine import held_blocks, scheduler_of
 from tests.vllm.conftest import PROMPTS, engine, greedy, token_ids
 
 BS = 4
@@ -111,7 +111,7 @@ def _run(llm: Any, prompts: list[str], params: Any, check: bool = True) -> dict[
             rid = request.request_id
             if not check or rid not in sched.kv_requests:
                 continue  # not checking, or still prefilling
-            held = sched.kv_cache_manager.held_blocks(rid)
+            held = held_blocks(sched, rid)
             if rid not in seen:
                 # Projected now, for the step that just ran (one step back). Between
                 # steps the scheduler's cached slice lags a step (its state syncs when it
