@@ -6,7 +6,7 @@ run once per family as the ``full`` (Full KV) cell and shared by every method's 
 
 Each problem is graded by exact match and by lookup fidelity (:mod:`kvllm.eval.lookup`).
 A cell runs free (the model's own tokens) or teacher-forced: the Full-KV free cell's
-completions are forced token by token through the same compressing cache, so every
+completions are forced through the same compressing cache (same rounds), so every
 method sees the same tokens and no error compounds; only there can the ``oracle``
 selector run (:mod:`kvllm.eval.oracle`).
 """

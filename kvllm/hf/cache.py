@@ -115,16 +115,45 @@ class CompressingCache(Cache):
             layer.incoming_valid = token_valid.bool()
 
     def end_step(self) -> None:
-        """Book the forward just run; after a decode step, maybe compress."""
+        """Book the forward just run; after decode steps, maybe compress.
+
+        The first forward is the prompt. A later forward of q tokens is q decode steps
+        at once (teacher forcing feeds known tokens in chunks): each is booked as a
+        step of its own, and a round may only fall after the last one, which
+        :meth:`steps_to_round` lets the caller arrange.
+        """
         q_len = self.layers[0].incoming_valid.shape[1]
         if self.state is None:
             self.state = SeqState(prompt_len=q_len)
             return
-        self.state.append(q_len)
+        for _ in range(q_len - 1):
+            self.state.append(1)
+            if self.policy is not None and self.policy.plan(self.state) is not None:
+                raise RuntimeError("a compression round falls inside a multi-token decode forward")
+            self._book_held()
+        self.state.append(1)
         if self.policy is not None and (region := self.policy.plan(self.state)) is not None:
             t0 = time.perf_counter()
             self._compress(region)
             self.compress_seconds += time.perf_counter() - t0
+        self._book_held()
+
+    def steps_to_round(self, limit: int) -> int:
+        """Decode steps until the next one after which a round runs, at most ``limit``.
+
+        A forward of that many tokens ends exactly where the step-by-step loop would
+        compress, so chunked teacher forcing runs the same rounds on the same slots.
+        """
+        if self.policy is None:
+            return limit
+        probe = dataclasses.replace(self.state)
+        for k in range(1, limit + 1):
+            probe.append(1)
+            if self.policy.plan(probe) is not None:
+                return k
+        return limit
+
+    def _book_held(self) -> None:
         self.held_sum += self._held()
         self.held_steps += 1
 

@@ -20,6 +20,11 @@ from kvllm.hf import attention
 from kvllm.hf.cache import CompressingCache
 from kvllm.methods import Method
 
+# Teacher forcing feeds at most this many known tokens per forward: a round every P
+# steps cuts chunks shorter anyway, and without compression this bounds the
+# [B, H, q, N] attention scores.
+MAX_CHUNK = 64
+
 
 def _next_tokens(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
     if temperature == 0.0:
@@ -72,7 +77,8 @@ def generate(
         Teacher forcing: per prompt, the tokens to feed instead of sampled ones (a row
         whose tokens run out is fed EOS and masked, like a row that stopped). The
         result's ``predictions`` hold the model's argmax at every forced position, and
-        the cache compresses exactly as in free generation.
+        the cache compresses exactly as in free generation. The known tokens go
+        through in chunks between rounds (``max_new_tokens`` is then unused).
     method
         A selector instead of ``config.method``'s (the evaluation's oracle).
     """
@@ -88,10 +94,9 @@ def generate(
     if forced is not None:
         if len(forced) != len(prompts) or not all(forced):
             raise ValueError("forced must hold one non-empty token list per prompt")
-        max_new_tokens = max(len(f) for f in forced)
         fill = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-        forced_ids = torch.tensor([list(f) + [fill] * (max_new_tokens - len(f)) for f in forced], device=device)
-    predictions: list[Tensor] = []
+        width = max(len(f) for f in forced)
+        forced_ids = torch.tensor([list(f) + [fill] * (width - len(f)) for f in forced], device=device)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
     eos = tokenizer.eos_token_id if stop_at_eos else None
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -111,49 +116,18 @@ def generate(
             logits_to_keep=1,
         ).logits[:, -1]
         cache.end_step()
-        out: list[Tensor] = []
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        # A row that stops keeps being fed EOS with the batch; its statistics are
-        # taken when it stops.
-        stats: list[SeqStats | None] = [None] * len(prompts)
-        position = positions[:, -1:]
-        for step in range(max_new_tokens):
-            token = _next_tokens(logits, temperature, top_p, generator)
-            if forced is not None:
-                predictions.append(logits.argmax(-1))
-                token = forced_ids[:, step]
-            if eos is not None:
-                token = token.masked_fill(done, eos)
-                newly = (token == eos) & ~done
-                done |= newly
-                for row in newly.nonzero().flatten().tolist():
-                    stats[row] = cache.stats()[row]
-            out.append(token)
-            if on_step is not None:
-                on_step(step + 1)
-            if step + 1 == max_new_tokens or bool(done.all()):
-                break
-            position = position + 1
-            cache.begin_step(torch.ones_like(token).unsqueeze(1))
-            logits = model(
-                input_ids=token.unsqueeze(1),
-                position_ids=position,
-                past_key_values=cache,
-                kvllm_cache=cache,
-                use_cache=True,
-            ).logits[:, -1]
-            cache.end_step()
+        if forced is not None:
+            preds, stats = _force(model, cache, logits, positions[:, -1:], forced_ids, eos, on_step)
+            predicted = [row[: len(f)] for row, f in zip(preds, forced, strict=True)]
+        else:
+            predicted = None
+            generated, stats = _decode(
+                model, cache, logits, positions[:, -1:], max_new_tokens, eos, temperature, top_p, generator, on_step
+            )
     finally:
         model.set_attn_implementation(previous)
 
-    generated = torch.stack(out, dim=1).tolist()
-    if forced is not None:
-        token_ids = [list(f) for f in forced]
-        preds = torch.stack(predictions, dim=1).tolist()
-        predicted = [row[: len(f)] for row, f in zip(preds, forced, strict=True)]
-    else:
-        token_ids = [_until_eos(row, eos) for row in generated]
-        predicted = None
+    token_ids = [list(f) for f in forced] if forced is not None else [_until_eos(row, eos) for row in generated]
     texts = tokenizer.batch_decode(token_ids, skip_special_tokens=True)
     final = cache.stats()
     return Generation(
@@ -162,6 +136,97 @@ def generate(
         stats=[s if s is not None else f for s, f in zip(stats, final, strict=True)],
         predictions=predicted,
     )
+
+
+def _step(model, cache: CompressingCache, tokens: Tensor, position: Tensor) -> Tensor:
+    """Feed ``tokens`` ``[B, q]`` at the ``q`` positions after ``position`` ``[B, 1]``;
+    returns their logits ``[B, q, V]``."""
+    cache.begin_step(torch.ones_like(tokens))
+    steps = torch.arange(1, tokens.shape[1] + 1, device=tokens.device)
+    logits = model(
+        input_ids=tokens, position_ids=position + steps, past_key_values=cache, kvllm_cache=cache, use_cache=True
+    ).logits
+    cache.end_step()
+    return logits
+
+
+def _decode(
+    model,
+    cache: CompressingCache,
+    logits: Tensor,
+    position: Tensor,
+    max_new_tokens: int,
+    eos: int | None,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+    on_step: Callable[[int], None] | None,
+) -> tuple[list[list[int]], list[SeqStats | None]]:
+    """Free generation, one token per forward; each row's statistics when it stops."""
+    out: list[Tensor] = []
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    # A row that stops keeps being fed EOS with the batch; its statistics are taken
+    # when it stops.
+    stats: list[SeqStats | None] = [None] * logits.shape[0]
+    for step in range(max_new_tokens):
+        token = _next_tokens(logits, temperature, top_p, generator)
+        if eos is not None:
+            token = token.masked_fill(done, eos)
+            newly = (token == eos) & ~done
+            done |= newly
+            for row in newly.nonzero().flatten().tolist():
+                stats[row] = cache.stats()[row]
+        out.append(token)
+        if on_step is not None:
+            on_step(step + 1)
+        if step + 1 == max_new_tokens or bool(done.all()):
+            break
+        logits = _step(model, cache, token.unsqueeze(1), position + step)[:, -1]
+    return torch.stack(out, dim=1).tolist(), stats
+
+
+def _force(
+    model,
+    cache: CompressingCache,
+    logits: Tensor,
+    position: Tensor,
+    forced: Tensor,
+    eos: int | None,
+    on_step: Callable[[int], None] | None,
+) -> tuple[list[list[int]], list[SeqStats | None]]:
+    """Teacher forcing: feed ``forced`` ``[B, T]`` and keep the argmax before each token.
+
+    The tokens are known, so they go through in chunks that end where
+    :meth:`CompressingCache.steps_to_round` says a round runs, and where a row's first
+    EOS is due: the cache compresses, and each row's statistics are taken, exactly where
+    the step-by-step loop (:func:`_decode`) would, at a sixteenth of the forwards with
+    P = 16. Returns the argmax before each token fed, up to where the step-by-step loop
+    stops, and each row's statistics at its first EOS (EOS is fed after it).
+    """
+    rows, width = forced.shape
+    if eos is not None:
+        first = [row.index(eos) if eos in row else width for row in forced.tolist()]
+        fed = forced.masked_fill(torch.arange(width, device=forced.device) > torch.tensor(first).unsqueeze(1), eos)
+        # The step-by-step loop stops once every row has written its EOS.
+        last = min(width - 1, max(first))
+    else:
+        first, fed, last = [width] * rows, forced, width - 1
+    stops = sorted({f for f in first if f <= last} | {last})
+    stats: list[SeqStats | None] = [None] * rows
+    predictions = [logits.argmax(-1, keepdim=True)]
+    step = 0
+    while True:
+        for row in (r for r in range(rows) if first[r] == step):
+            stats[row] = cache.stats()[row]
+        if step == last:
+            break
+        end = min(next(s for s in stops if s > step), step + min(MAX_CHUNK, cache.steps_to_round(last - step)))
+        chunk = _step(model, cache, fed[:, step:end], position + step)
+        predictions.append(chunk.argmax(-1))
+        step = end
+        if on_step is not None:
+            on_step(step)
+    return torch.cat(predictions, dim=1).tolist(), stats
 
 
 def _until_eos(row: list[int], eos: int | None) -> list[int]:

@@ -174,6 +174,9 @@ def test_teacher_forcing_goes_through_the_same_compression(tokenizer) -> None:
     assert forced.token_ids == free.token_ids
     assert forced.predictions == free.token_ids
     assert [s.compressions for s in forced.stats] == [s.compressions for s in free.stats]
+    assert [(s.physical_length, s.held_mean) for s in forced.stats] == [
+        (s.physical_length, s.held_mean) for s in free.stats
+    ]
     full = generate(model, tokenizer, PROMPTS, None, 120, stop_at_eos=False)
     keep_all = generate(
         model, tokenizer, PROMPTS, cfg.replace(retention=1.0), 1, stop_at_eos=False, forced=full.token_ids
@@ -202,3 +205,18 @@ def test_bad_forced_tokens(tokenizer) -> None:
     model = _model(tokenizer, "qwen3", 4, 2)
     with pytest.raises(ValueError, match="one non-empty token list per prompt"):
         generate(model, tokenizer, PROMPTS[:2], None, 4, forced=[[1, 2]])
+
+
+def test_teacher_forcing_stops_each_row_at_its_eos(tokenizer) -> None:
+    """Forced rows that end at different EOS steps take their statistics there, as the
+    step-by-step loop does, although the tokens go through in chunks between rounds."""
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(window=32, buffer=8, period=4, retention=0.25)
+    free = generate(model, tokenizer, PROMPTS, cfg, 120, stop_at_eos=False)
+    ends = [37, 90, 118][: len(PROMPTS)]
+    forced = [[*ids[:end], tokenizer.eos_token_id] for ids, end in zip(free.token_ids, ends, strict=False)]
+    got = generate(model, tokenizer, PROMPTS[: len(ends)], cfg, 1, forced=forced)
+    for row, end in enumerate(ends):
+        prompt = len(tokenizer(PROMPTS[row])["input_ids"])
+        assert got.stats[row].logical_length == prompt + end
+        assert got.predictions[row][:end] == free.token_ids[row][:end]
