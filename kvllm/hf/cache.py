@@ -56,8 +56,8 @@ class CompressedLayer(DynamicLayer):
         self.queries[:, :, slots] = query[:, :, q_len - keep :]
         self.seen += q_len
 
-    def attention_bias(self, q_len: int, dtype: torch.dtype, groups: int) -> Tensor:
-        """Additive mask ``[B, Hq, q_len, N]``: 0 where a query may attend, else the
+    def attention_bias(self, q_len: int, dtype: torch.dtype) -> Tensor:
+        """Additive mask ``[B, Hkv, q_len, N]``: 0 where a query may attend, else the
         dtype's minimum (as transformers' eager mask, so that a row with no valid key
         stays finite). The ``q_len`` queries are the last slots (causal among them)."""
         n = self.valid.shape[-1]
@@ -67,7 +67,7 @@ class CompressedLayer(DynamicLayer):
             allowed = allowed & (torch.arange(n, device=allowed.device).unsqueeze(0) <= q_pos)
         bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
         bias.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return bias.repeat_interleave(groups, dim=1) if groups > 1 else bias
+        return bias
 
 
 class CompressingCache(Cache):
