@@ -15,7 +15,6 @@ from kvllm.cli.options import (
     Buffer,
     D,
     Model,
-    Param,
     Period,
     Window,
     console,
@@ -48,7 +47,10 @@ def evaluate(
     buffer: Buffer = D.buffer,
     period: Period = D.period,
     batch_size: Annotated[int, typer.Option(help="Prompts generated together.")] = 8,
-    param: Param = None,
+    param: Annotated[
+        list[str] | None,
+        typer.Option(help="A method parameter, KEY=VALUE for every method or METHOD:KEY=VALUE for one (repeatable)."),
+    ] = None,
     teacher_forced: Annotated[
         bool, typer.Option(help="Force Full KV's completions through each method (method 'oracle' allowed).")
     ] = False,
@@ -71,9 +73,9 @@ def evaluate(
     if ORACLE in methods and not teacher_forced:
         raise typer.BadParameter("--method oracle is invalid without --teacher-forced: it needs the forced future")
     base = make_config(window=window, buffer=buffer, period=period)
-    params = parse_params(param)
+    params = method_params(parse_params(param), methods)
     for m, r in ((m, r) for m in methods if m != ORACLE for r in retentions):
-        make_config(method=m, retention=r, window=window, buffer=buffer, period=period, params=params)
+        make_config(method=m, retention=r, window=window, buffer=buffer, period=period, params=params[m])
     first_seed = _first_seed(split_, test_seeds, dev_seeds, n)
     for f in families:
         if f not in FAMILIES:
@@ -103,6 +105,20 @@ def evaluate(
     plot_frontier(results, out / "frontier.png", title=f"W={window} b={buffer} P={period}")
     console.print(accuracy_rich(results))
     console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")
+
+
+def method_params(pairs: dict, methods: list[str]) -> dict[str, dict]:
+    """Each method's overrides: the unscoped ``KEY`` pairs and its own ``METHOD:KEY`` ones."""
+    common = {k: v for k, v in pairs.items() if ":" not in k}
+    out = {m: dict(common) for m in methods}
+    for key, value in pairs.items():
+        method, sep, name = key.partition(":")
+        if not sep:
+            continue
+        if method not in out:
+            raise typer.BadParameter(f"--param {key}={value} is invalid: {method!r} is not among --method")
+        out[method][name] = value
+    return out
 
 
 def _range(flag: str, text: str) -> range:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import csv
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,6 +59,7 @@ class CellResult:
     held_mean: float | None = None
     held_end: float | None = None
     problems: list[dict] = field(default_factory=list)
+    params: dict = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, float, str, str, int, int]:
@@ -181,7 +182,9 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
     return record
 
 
-def _summarise(method: str, retention: float, family: str, mode: str, base: CompressionConfig, records, seconds):
+def _summarise(
+    method: str, retention: float, family: str, mode: str, config: CompressionConfig | None, base, records, seconds
+):
     from kvllm.eval.stats import ratio_of_sums
 
     def fidelity(source: str) -> float | None:
@@ -210,6 +213,7 @@ def _summarise(method: str, retention: float, family: str, mode: str, base: Comp
         held_mean=sum(r["held_mean"] for r in records) / n,
         held_end=sum(r["held_end"] for r in records) / n,
         problems=records,
+        params=dict(config.params) if config is not None else {},
     )
 
 
@@ -227,15 +231,16 @@ def run_grid(
     temperature: float = 0.0,
     top_p: float = 1.0,
     teacher_forced: bool = False,
-    params: dict | None = None,
+    params: Mapping[str, dict] | None = None,
     on_progress: Callable[[str, int], None] | None = None,
 ) -> list[CellResult]:
     """Run every missing cell, append it to ``out_dir/results.jsonl``, and return all cells.
 
     ``base`` supplies window, buffer, period and the other knobs; each cell overrides
-    method and retention, and ``params`` (method parameters) apply to every method. The
-    cell key does not hold ``params``: a run with other params needs its own ``out_dir``.
-    ``on_progress(cell_name, problems_done)`` drives a progress bar.
+    method and retention, and ``params`` maps a method to its parameter overrides
+    (recorded in the cell). The cell key does not hold them: a run with other params
+    for a method needs its own ``out_dir``. ``on_progress(cell_name, problems_done)``
+    drives a progress bar.
     """
     if ORACLE in methods and not teacher_forced:
         raise ValueError("--method oracle is invalid without --teacher-forced: it needs the forced future")
@@ -252,8 +257,8 @@ def run_grid(
         config = None
         if method != FULL:
             # The oracle runs under the same policy and rounds; only its selection differs.
-            name = "kara" if method == ORACLE else method
-            config = base.replace(method=name, retention=retention, params={} if method == ORACLE else params or {})
+            overrides = {} if method == ORACLE else (params or {}).get(method, {})
+            config = base.replace(method="kara" if method == ORACLE else method, retention=retention, params=overrides)
         forced = None
         if mode == "teacher-forced":
             full = done[(FULL, 1.0, family, "free", base.window, base.buffer)]
@@ -275,7 +280,7 @@ def run_grid(
             keep_ids=method == FULL and mode == "free",
             on_problem=None if on_progress is None else lambda k, name=name: on_progress(name, k),
         )
-        result = _summarise(method, retention, family, mode, base, records, time.perf_counter() - start)
+        result = _summarise(method, retention, family, mode, config, base, records, time.perf_counter() - start)
         with path.open("a") as f:
             f.write(json.dumps(asdict(result)) + "\n")
         done[result.key] = result

@@ -151,9 +151,35 @@ def test_eval_teacher_forced_with_the_oracle(tmp_path: Path) -> None:
         (["--test-seeds", "20:10"], "--test-seeds '20:10' is invalid"),
         (["--split", "train"], "--split 'train' is invalid"),
         (["--n", "11", "--test-seeds", "0:10"], "--n 11 is invalid"),
+        (["--method", "kara", "--param", "snapkv:obs_window=8"], "is invalid: 'snapkv' is not among"),
+        (["--method", "kara", "--param", "kara:nope=1"], "nope"),
     ],
 )
 def test_eval_rejects_bad_flags(tiny: Path, tmp_path: Path, extra: list[str], fragment: str) -> None:
     result = CliRunner().invoke(app, ["eval", "--model", str(tiny), "--out", str(tmp_path), *extra])
     assert result.exit_code != 0
     assert fragment in " ".join(result.output.split()), result.output
+
+
+def test_method_params_scope_to_their_method() -> None:
+    from kvllm.cli.evaluate import method_params
+
+    got = method_params({"obs_window": 16, "snapkv:pool_kernel": 3, "chunkkv:chunk_size": 5}, ["snapkv", "chunkkv"])
+    assert got == {"snapkv": {"obs_window": 16, "pool_kernel": 3}, "chunkkv": {"obs_window": 16, "chunk_size": 5}}
+
+
+def test_per_method_params_are_applied_and_recorded(tmp_path: Path) -> None:
+    from kvllm import CompressionConfig
+    from kvllm.cli.options import load_model
+    from kvllm.eval.grid import run_grid
+    from kvllm.eval.problems import task_problems
+    from kvllm.eval.tasks import Difficulty
+
+    tok, lm = load_model(None)
+    problems = {"trace": task_problems("trace", 2, Difficulty(constants=4, steps=6), tok)}
+    base = CompressionConfig(window=32, buffer=8, period=4)
+    got = run_grid(lm, tok, problems, ["kara", "snapkv"], [0.25], base, tmp_path, params={"snapkv": {"obs_window": 8}})
+    params = {c.method: c.params for c in got}
+    assert params == {"kara": {}, "snapkv": {"obs_window": 8}}
+    with pytest.raises(ValueError, match="nope"):
+        run_grid(lm, tok, problems, ["kara", "snapkv"], [0.25], base, tmp_path / "bad", params={"snapkv": {"nope": 1}})
