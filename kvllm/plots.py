@@ -16,6 +16,7 @@ def save_figure(fig: Any, path: Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # "tight" keeps a legend placed outside the axes inside the image.
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -27,6 +27,7 @@ from kvllm.eval.problems import task_problems
 from kvllm.eval.stats import bootstrap_ratio, paired_difference
 from kvllm.eval.tasks import Difficulty
 
+# The first seed of `kvllm eval --split dev` (its --dev-seeds default).
 DEV_FIRST_SEED = 100_000
 
 # (method, parameter overrides, window, buffer); the first of each method is its default.
@@ -76,6 +77,16 @@ VARIANTS: list[tuple[str, dict, int, int]] = [
     ("adakv", {"obs_window": 128}, 128, 32),
     ("rkv", {"obs_window": 32}, 128, 32),
     ("rkv", {"obs_window": 64}, 128, 32),
+    # Third round: the best single knobs together.
+    ("rkv", {"obs_window": 32, "lam": 0.3}, 128, 32),
+    ("rkv", {"obs_window": 64, "lam": 0.3}, 128, 32),
+    ("chunkkv", {"chunk_size": 2, "obs_window": 96}, 128, 32),
+    ("snapkv", {"obs_window": 96, "pool_kernel": 3}, 128, 32),
+    # kara-late (docs/design.md), after the observation window mattered for SnapKV.
+    ("kara-late", {}, 128, 32),
+    ("kara-late", {"obs_window": 32}, 128, 32),
+    ("kara-late", {"obs_window": 96}, 128, 32),
+    ("kara-late", {"obs_window": 128}, 128, 32),
 ]
 
 

@@ -63,7 +63,14 @@ def evaluate(
     from kvllm.eval.grid import ORACLE, cells, run_grid
     from kvllm.eval.math_data import load_math
     from kvllm.eval.problems import task_problems
-    from kvllm.eval.report import accuracy_markdown, accuracy_rich, lookup_markdown, plot_accuracy, plot_frontier
+    from kvllm.eval.report import (
+        accuracy_markdown,
+        accuracy_rich,
+        headline_markdown,
+        lookup_markdown,
+        plot_accuracy,
+        plot_frontier,
+    )
     from kvllm.eval.tasks import Difficulty
 
     methods, retentions, families = split(method), split(retention, float), split(family)
@@ -101,7 +108,7 @@ def evaluate(
         )  # fmt: skip
     plot_accuracy(results, out / "accuracy.png", title=f"W={window} b={buffer} P={period}")
     (out / "results.md").write_text(accuracy_markdown(results))
-    (out / "lookup.md").write_text(lookup_markdown(results))
+    (out / "lookup.md").write_text(headline_markdown(results) + "\n" + lookup_markdown(results))
     plot_frontier(results, out / "frontier.png", title=f"W={window} b={buffer} P={period}")
     console.print(accuracy_rich(results))
     console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")
@@ -115,8 +122,9 @@ def method_params(pairs: dict, methods: list[str]) -> dict[str, dict]:
         method, sep, name = key.partition(":")
         if not sep:
             continue
-        if method not in out:
-            raise typer.BadParameter(f"--param {key}={value} is invalid: {method!r} is not among --method")
+        if method not in out or method == "oracle":
+            why = "the oracle takes none" if method == "oracle" else f"{method!r} is not among --method"
+            raise typer.BadParameter(f"--param {key}={value} is invalid: {why}")
         out[method][name] = value
     return out
 

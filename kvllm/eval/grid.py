@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvllm.config import CompressionConfig
 from kvllm.eval.problems import Problem
@@ -59,7 +60,7 @@ class CellResult:
     held_mean: float | None = None
     held_end: float | None = None
     problems: list[dict] = field(default_factory=list)
-    params: dict = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, float, str, str, int, int]:
@@ -183,8 +184,15 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
 
 
 def _summarise(
-    method: str, retention: float, family: str, mode: str, config: CompressionConfig | None, base, records, seconds
-):
+    method: str,
+    retention: float,
+    family: str,
+    mode: str,
+    config: CompressionConfig | None,
+    base: CompressionConfig,
+    records: list[dict],
+    seconds: float,
+) -> CellResult:
     from kvllm.eval.stats import ratio_of_sums
 
     def fidelity(source: str) -> float | None:
@@ -213,7 +221,7 @@ def _summarise(
         held_mean=sum(r["held_mean"] for r in records) / n,
         held_end=sum(r["held_end"] for r in records) / n,
         problems=records,
-        params=dict(config.params) if config is not None else {},
+        params=_resolved(method, config),
     )
 
 
@@ -248,17 +256,24 @@ def run_grid(
     path = out_dir / "results.jsonl"
     done = load_results(path)
     wanted = cells(methods, retentions, list(problems), teacher_forced)
+    if params and ORACLE in params:
+        raise ValueError("the oracle takes no params: it keeps what later queries attend to")
     for method, retention, family, mode in wanted:
         key = (method, retention, family, mode, base.window, base.buffer)
-        if key in done:
-            if on_progress is not None:
-                on_progress("resumed", len(problems[family]) * samples)
-            continue
         config = None
         if method != FULL:
             # The oracle runs under the same policy and rounds; only its selection differs.
             overrides = {} if method == ORACLE else (params or {}).get(method, {})
             config = base.replace(method="kara" if method == ORACLE else method, retention=retention, params=overrides)
+        if key in done:
+            if done[key].params != _resolved(method, config):
+                raise ValueError(
+                    f"{out_dir / 'results.jsonl'} holds {method} r={retention} {family} {mode} run with params "
+                    f"{done[key].params}, not {_resolved(method, config)}: use another output folder"
+                )
+            if on_progress is not None:
+                on_progress("resumed", len(problems[family]) * samples)
+            continue
         forced = None
         if mode == "teacher-forced":
             full = done[(FULL, 1.0, family, "free", base.window, base.buffer)]
@@ -284,18 +299,27 @@ def run_grid(
         with path.open("a") as f:
             f.write(json.dumps(asdict(result)) + "\n")
         done[result.key] = result
-    keys = {(m, r, f, mode, base.window, base.buffer) for m, r, f, mode in wanted}
-    results = [r for k, r in done.items() if k in keys]
+    # Every stored cell: a folder filled by several runs (other W and b, families,
+    # modes) reports all of them.
+    results = list(done.values())
     write_tables(results, out_dir)
     return results
+
+
+def _resolved(method: str, config: CompressionConfig | None) -> dict[str, Any]:
+    """The parameters a method cell runs with, defaults included; none for Full KV and the oracle."""
+    if config is None or method == ORACLE:
+        return {}
+    return asdict(config.method_params)
 
 
 def write_tables(results: Sequence[CellResult], out_dir: Path) -> None:
     """``results.csv`` (one row per cell) and ``results.json`` (without per-problem lists)."""
     fields = [f for f in CellResult.__dataclass_fields__ if f not in ("per_problem", "problems")]
     rows = [{f: getattr(r, f) for f in fields} for r in sorted(results, key=lambda r: r.key)]
+    csv_rows = [{**row, "params": json.dumps(row["params"], sort_keys=True)} for row in rows]
     with (out_dir / "results.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows(csv_rows)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=1) + "\n")

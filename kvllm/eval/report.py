@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt
 from rich.table import Table
 
-from kvllm.eval.grid import FULL, CellResult
+from kvllm.eval.grid import FULL, ORACLE, CellResult
 from kvllm.plots import save_figure
 
 
@@ -187,6 +187,52 @@ def lookup_markdown(results: Sequence[CellResult], reference: str = "kara") -> s
     return "\n".join(out)
 
 
+def headline_markdown(results: Sequence[CellResult], reference: str = "kara") -> str:
+    """The headline tables, per (family, mode, W, b): a row per method and a column per
+    retention, each cell generated-read fidelity [95% bootstrap CI] (time-averaged memory
+    held); then ``reference`` minus each method on the same problems [95% paired CI]."""
+    rows = lookup_rows(results, reference)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[(row["family"], row["mode"], row["window"], row["buffer"])].append(row)
+    out: list[str] = []
+    for (family, mode, window, buffer), group in sorted(groups.items()):
+        points = sorted({r["retention"] for r in group if r["method"] != FULL})
+        methods = sorted({r["method"] for r in group if r["method"] != FULL}, key=_method_order(group, reference))
+        at = {(r["method"], r["retention"]): r for r in group}
+        header = "| method | " + " | ".join(f"r={p:g}" for p in points) + " |"
+        rule = "| --- |" + " ---: |" * len(points)
+        title = f"{family}, {mode}, W={window}, b={buffer}, {group[0]['n']} problems"
+        out += [f"**{title}: generated-read lookup fidelity [95% CI] (memory held)**", "", header, rule]
+        for m in methods:
+            cells = [at.get((m, p)) for p in points]
+            texts = [
+                "-" if c is None else f"{_ci(c['fidelity'], c['fidelity_ci'])} ({c['held_mean']:.2f})" for c in cells
+            ]
+            out.append(f"| {m} | " + " | ".join(texts) + " |")
+        for full in (r for r in group if r["method"] == FULL):
+            out.append("")
+            out.append(
+                f"Full KV: {_ci(full['fidelity'], full['fidelity_ci'])}, prompt reads "
+                f"{_ci(full['fidelity_prompt'], None)}, {full['reads']} generated reads"
+            )
+        out += ["", f"**{title}: {reference} minus each method, same problems [95% paired CI]**", "", header, rule]
+        for m in (m for m in methods if m != reference):
+            diffs = [at.get((m, p), {}).get("vs_reference") for p in points]
+            texts = ["-" if d is None else f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]" for d in diffs]
+            out.append(f"| {m} | " + " | ".join(texts) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _method_order(group: list[dict], reference: str) -> Callable[[str], tuple]:
+    """The oracle first, then ``reference``, then by mean fidelity, best first."""
+    means = defaultdict(list)
+    for r in group:
+        means[r["method"]].append(r["fidelity"])
+    return lambda m: (m != ORACLE, m != reference, -sum(means[m]) / len(means[m]))
+
+
 def _distance_markdown(results: Sequence[CellResult]) -> list[str]:
     """Generated-read fidelity by distance bucket, per (family, mode, W, b, method, r)."""
     from kvllm.eval.lookup import BUCKETS
@@ -213,30 +259,58 @@ def _distance_markdown(results: Sequence[CellResult]) -> list[str]:
     return out
 
 
+def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
+    """Indices, by memory, of the points that hold a higher fidelity than every point
+    holding no more memory: a method's accuracy-memory frontier (a point that another
+    matches with less memory is left out)."""
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], -points[i][1]))
+    keep, best = [], float("-inf")
+    for i in order:
+        if points[i][1] > best:
+            keep.append(i)
+            best = points[i][1]
+    return keep
+
+
 def plot_frontier(results: Sequence[CellResult], path: Path, title: str = "") -> Path:
-    """Generated-read fidelity vs time-averaged memory held, a panel per (family, mode),
-    a line per method (its retentions and W/b points), 95% bootstrap bars."""
+    """Generated-read fidelity vs time-averaged memory held, a panel per (family, mode).
+
+    Each method's cells (its retentions at every W and b) are points; its frontier (the
+    cells no other of its cells beats on both axes) is a line with a 95% bootstrap band.
+    """
     every = lookup_rows(results)  # bootstraps every cell: once per plot
     rows = [r for r in every if r["method"] != FULL]
     panels = sorted({(r["family"], r["mode"]) for r in rows})
     if not panels:
         return path
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False, sharey=True)
+    colors = plt.get_cmap("tab20").colors
     for ax, (family, mode) in zip(axes[0], panels, strict=True):
         mine = [r for r in rows if (r["family"], r["mode"]) == (family, mode)]
-        for method in sorted({r["method"] for r in mine}):
-            pts = sorted((r for r in mine if r["method"] == method), key=lambda r: r["held_mean"])
-            xs, ys = [p["held_mean"] for p in pts], [p["fidelity"] for p in pts]
-            err = [[y - p["fidelity_ci"][0] for y, p in zip(ys, pts, strict=True)],
-                   [p["fidelity_ci"][1] - y for y, p in zip(ys, pts, strict=True)]]  # fmt: skip
-            style = {"linewidth": 2.5, "color": "black"} if method == "kara" else {"linewidth": 1.1}
-            if method == "oracle":
-                style = {"linewidth": 2.0, "color": "tab:red", "linestyle": "--"}
-            ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=2, label=method, **style)
-        full = [r for r in every if r["method"] == FULL and (r["family"], r["mode"]) == (family, mode)]
-        for r in full:
+        for k, method in enumerate(sorted({r["method"] for r in mine})):
+            pts = [r for r in mine if r["method"] == method]
+            front = [pts[i] for i in pareto([(p["held_mean"], p["fidelity"]) for p in pts])]
+            style = {"linewidth": 1.2, "color": colors[k % len(colors)]}
+            if method == "kara":
+                style = {"linewidth": 2.8, "color": "black"}
+            elif method == ORACLE:
+                style = {"linewidth": 2.2, "color": "tab:red", "linestyle": "--"}
+            xs = [p["held_mean"] for p in front]
+            ax.plot(xs, [p["fidelity"] for p in front], marker="o", markersize=3, label=method, **style)
+            lo, hi = ([p["fidelity_ci"][j] for p in front] for j in (0, 1))
+            ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.12, linewidth=0)
+            ax.scatter(
+                [p["held_mean"] for p in pts], [p["fidelity"] for p in pts], s=8, color=style["color"], alpha=0.4
+            )
+        for r in (r for r in every if r["method"] == FULL and (r["family"], r["mode"]) == (family, mode)):
             ax.axhline(r["fidelity"], color="grey", linestyle=":", label="Full KV")
         ax.set_title(f"{family}, {mode}")
         ax.set_xlabel("KV held for generated tokens (time-averaged share)")
         ax.grid(alpha=0.3)
-    return _save(fig, axes, "generated-read lookup fidelity", title, path)
+    axes[0][0].set_ylabel("generated-read lookup fidelity")
+    unique = {}
+    for ax in axes[0]:
+        handles, labels = ax.get_legend_handles_labels()
+        unique.update(zip(labels, handles, strict=True))
+    fig.legend(unique.values(), unique.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    return save_figure(fig, path, title)

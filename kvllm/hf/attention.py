@@ -1,9 +1,9 @@
 """The attention function the reference backend registers with transformers.
 
-It computes transformers' eager attention (so that without compression the tokens match
-``model.generate`` exactly; GQA reads each KV head once rather than repeating it), with
-two additions: it records each token's
-post-RoPE query for window scoring, and it takes its mask from the cache's slot
+It computes transformers' eager attention, so that without compression the tokens match
+``model.generate``'s (tested); GQA reads each KV head once instead of repeating it, which
+can differ from eager attention in the last bits. It adds two things: it records each
+token's post-RoPE query for window scoring, and it takes its mask from the cache's slot
 validity, because after compaction the cache's physical layout no longer matches the
 logical positions transformers would build a mask from.
 """

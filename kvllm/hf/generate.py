@@ -21,8 +21,9 @@ from kvllm.hf.cache import CompressingCache
 from kvllm.methods import Method
 
 # Teacher forcing feeds at most this many known tokens per forward: a round every P
-# steps cuts chunks shorter anyway, and without compression this bounds the
-# [B, H, q, N] attention scores.
+# steps cuts chunks shorter anyway, and without compression this bounds a forward's
+# logits [B, q, V] (the largest buffer; a 152k vocabulary makes 64 rows 39 MB per
+# sequence) and its [B, Hkv, G * q, N] attention scores.
 MAX_CHUNK = 64
 
 
@@ -200,13 +201,17 @@ def _force(
     :meth:`CompressingCache.steps_to_round` says a round runs, and where a row's first
     EOS is due: the cache compresses, and each row's statistics are taken, exactly where
     the step-by-step loop (:func:`_decode`) would, at a sixteenth of the forwards with
-    P = 16. Returns the argmax before each token fed, up to where the step-by-step loop
-    stops, and each row's statistics at its first EOS (EOS is fed after it).
+    P = 16. The logits equal that loop's up to floating-point rounding (a forward of q
+    tokens multiplies other shapes), so a near tie could flip an argmax; on the
+    evaluation's grids every cell reproduced problem for problem. Returns the argmax
+    before each token fed, up to where the step-by-step loop stops, and each row's
+    statistics at its first EOS (EOS is fed after it).
     """
     rows, width = forced.shape
     if eos is not None:
         first = [row.index(eos) if eos in row else width for row in forced.tolist()]
-        fed = forced.masked_fill(torch.arange(width, device=forced.device) > torch.tensor(first).unsqueeze(1), eos)
+        after = torch.arange(width, device=forced.device) > torch.tensor(first, device=forced.device).unsqueeze(1)
+        fed = forced.masked_fill(after, eos)
         # The step-by-step loop stops once every row has written its EOS.
         last = min(width - 1, max(first))
     else:
@@ -220,12 +225,14 @@ def _force(
             stats[row] = cache.stats()[row]
         if step == last:
             break
-        end = min(next(s for s in stops if s > step), step + min(MAX_CHUNK, cache.steps_to_round(last - step)))
+        end = min(next(s for s in stops if s > step), step + cache.steps_to_round(min(MAX_CHUNK, last - step)))
         chunk = _step(model, cache, fed[:, step:end], position + step)
         predictions.append(chunk.argmax(-1))
         step = end
         if on_step is not None:
             on_step(step)
+    if on_step is not None:
+        on_step(last + 1)  # the last token, whose argmax is kept but which is not fed
     return torch.cat(predictions, dim=1).tolist(), stats
 
 

@@ -1,4 +1,4 @@
-"""Kara: bidirectional window scoring + Token2Chunk, and its two ablations.
+"""Kara: bidirectional window scoring + Token2Chunk, its two ablations, and two variants.
 
 Kara, "Efficient Reasoning LLM Serving via Sliding-Window KV Cache Compression"
 (docs/design.md, "Kara"). For every layer l and KV head h with GQA query-head group G::
@@ -13,10 +13,14 @@ rho = 0.5, beta = 1, max_gap = 16. Ablations at the same budget:
 - ``kara-causal``: the same with a causal mask (each query sees only earlier keys);
 - ``kara-topk``: bidirectional scores, plain top-m (no Token2Chunk).
 
+Variants beyond the paper, each with ``kara`` as its ablation: ``kara-far`` (a query
+scores only keys at least ``band`` tokens away) and ``kara-late`` (only the window's last
+``obs_window`` queries score).
+
 Reference: Kara is this project's own method, so its reference is the spec above
 (docs/design.md, "Kara" and "Token2Chunk"), not outside code; there is nothing to
 deviate from. ``tests/methods/test_references.py`` scores the keys independently from
-that spec and checks the kept sets of all three.
+that spec and checks the kept sets of all five.
 """
 
 from __future__ import annotations
@@ -116,4 +120,43 @@ class KaraFar(Kara):
     def select(self, window: Window, budget: int) -> Selection:
         p = self.params
         scores = attention_scores(window, causal=False, band=p.band)[..., : window.n_compress]
+        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
+
+
+@dataclass(frozen=True)
+class KaraLateParams(KaraParams):
+    """Kara's knobs plus how many of the window's last queries score it.
+
+    Attributes
+    ----------
+    obs_window
+        The last this many of the W + b window queries score the window, >= 1; all of
+        them when W + b is shorter.
+    """
+
+    obs_window: int = 64
+
+    def check(self, window: int, buffer: int) -> None:
+        super().check(window, buffer)
+        check_int(f"{FIELD}.obs_window", self.obs_window, 1)
+
+
+@register
+class KaraLate(Kara):
+    """Kara scored by the window's later queries (beyond the paper; docs/design.md, "kara-late").
+
+    The queries that read a compressed key come after the window. Of the window's own
+    queries, the later ones are their nearest stand-ins: SnapKV's observation-window
+    argument. This variant keeps Kara's bidirectional column sums and Token2Chunk, but
+    sums only over the last ``obs_window`` queries. Its ablation is ``kara``
+    (``obs_window = W + b``).
+    """
+
+    name = "kara-late"
+    Params = KaraLateParams
+
+    def select(self, window: Window, budget: int) -> Selection:
+        p = self.params
+        n_queries = min(p.obs_window, window.queries.shape[-2])
+        scores = attention_scores(window, causal=False, last_queries=n_queries)[..., : window.n_compress]
         return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))

@@ -153,6 +153,7 @@ def test_eval_teacher_forced_with_the_oracle(tmp_path: Path) -> None:
         (["--n", "11", "--test-seeds", "0:10"], "--n 11 is invalid"),
         (["--method", "kara", "--param", "snapkv:obs_window=8"], "is invalid: 'snapkv' is not among"),
         (["--method", "kara", "--param", "kara:nope=1"], "nope"),
+        (["--method", "kara,oracle", "--teacher-forced", "--param", "oracle:band=2"], "the oracle takes none"),
     ],
 )
 def test_eval_rejects_bad_flags(tiny: Path, tmp_path: Path, extra: list[str], fragment: str) -> None:
@@ -180,6 +181,10 @@ def test_per_method_params_are_applied_and_recorded(tmp_path: Path) -> None:
     base = CompressionConfig(window=32, buffer=8, period=4)
     got = run_grid(lm, tok, problems, ["kara", "snapkv"], [0.25], base, tmp_path, params={"snapkv": {"obs_window": 8}})
     params = {c.method: c.params for c in got}
-    assert params == {"kara": {}, "snapkv": {"obs_window": 8}}
+    # Resolved: the defaults and the override, as the cell ran.
+    assert params == {"kara": {"rho": 0.5, "beta": 1.0, "max_gap": 16}, "snapkv": {"obs_window": 8, "pool_kernel": 7}}
     with pytest.raises(ValueError, match="nope"):
         run_grid(lm, tok, problems, ["kara", "snapkv"], [0.25], base, tmp_path / "bad", params={"snapkv": {"nope": 1}})
+    # Resuming with other params would mix two settings under one key.
+    with pytest.raises(ValueError, match="run with params"):
+        run_grid(lm, tok, problems, ["snapkv"], [0.25], base, tmp_path, params={"snapkv": {"obs_window": 16}})

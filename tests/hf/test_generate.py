@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -220,3 +223,33 @@ def test_teacher_forcing_stops_each_row_at_its_eos(tokenizer) -> None:
         prompt = len(tokenizer(PROMPTS[row])["input_ids"])
         assert got.stats[row].logical_length == prompt + end
         assert got.predictions[row][:end] == free.token_ids[row][:end]
+
+
+@pytest.mark.parametrize(
+    "case", ["eos at different steps", "no eos, rows of different lengths", "no compression", "threshold policy"]
+)
+def test_chunked_forcing_equals_one_token_per_forward(tokenizer, monkeypatch: pytest.MonkeyPatch, case: str) -> None:
+    """MAX_CHUNK = 1 is the step-by-step loop: chunks must give its predictions and
+    every statistic, whatever ends a chunk (a round, a row's EOS, the cap)."""
+    generate_module = importlib.import_module("kvllm.hf.generate")  # kvllm.hf.generate is also the function
+
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(window=32, buffer=8, period=4, retention=0.25)
+    if case == "threshold policy":
+        cfg = cfg.replace(method="snapkv", policy="threshold", threshold_budget=48, threshold_interval=8)
+    if case == "no compression":
+        cfg = None
+    free = generate(model, tokenizer, PROMPTS, cfg, 150, stop_at_eos=False)
+    ends = [37, 150, 90, 118]
+    forced = [ids[:end] for ids, end in zip(free.token_ids, ends, strict=True)]
+    stop = case == "eos at different steps"
+    if stop:
+        forced = [[*f, tokenizer.eos_token_id] for f in forced]
+    chunked = generate(model, tokenizer, PROMPTS, cfg, 1, stop_at_eos=stop, forced=forced)
+    monkeypatch.setattr(generate_module, "MAX_CHUNK", 1)
+    stepwise = generate(model, tokenizer, PROMPTS, cfg, 1, stop_at_eos=stop, forced=forced)
+    assert chunked.predictions == stepwise.predictions
+    # Everything but the rounds' wall time.
+    assert [dataclasses.replace(s, compress_seconds=0.0) for s in chunked.stats] == [
+        dataclasses.replace(s, compress_seconds=0.0) for s in stepwise.stats
+    ]

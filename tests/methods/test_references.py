@@ -113,6 +113,18 @@ def kara_scores(window: Window, bi: int, li: int, *, causal: bool) -> Tensor:
     return attn.view(k.shape[0], -1, k.shape[1]).sum(1)[:, : window.n_compress]
 
 
+def kara_late_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kara-late's spec: Kara's column sums over the last ``obs_window`` queries only."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        q, k = window.queries[bi, li][:, -params.obs_window :], window.keys[bi, li]
+        attn = attention(q, k, causal=False).sum(1)  # bidirectional: no mask
+        s = attn.view(k.shape[0], -1, k.shape[1]).sum(1)[:, : window.n_compress]
+        return token2chunk(s, budget, params.rho, params.beta, params.max_gap).tolist()
+
+    return rows_to_mask(window, kept)
+
+
 def kara_far_reference(window: Window, budget: int, params: Any) -> Tensor:
     """kara-far's spec: Kara's, with each query blind to keys fewer than ``band`` tokens
     from its own (masked before the softmax; a query left with no key adds nothing)."""
@@ -351,6 +363,7 @@ REFERENCES: dict[str, Check] = {
     "kara-causal": exact(kara_reference(causal=True, chunks=True)),
     "kara-topk": exact(kara_reference(causal=False, chunks=False)),
     "kara-far": exact(kara_far_reference),
+    "kara-late": exact(kara_late_reference),
     "snapkv": exact(snapkv_reference),
     "pyramidkv": exact(pyramidkv_reference),
     "adakv": exact(adakv_reference),
@@ -366,7 +379,9 @@ BUFFER = 16
 # kvpress's set is exactly ours while the observation window is the buffer.
 SNAP = {"obs_window": BUFFER}
 PARAMS: Mapping[str, Mapping[str, Any]] = {
-    name: SNAP for name in ("snapkv", "pyramidkv", "adakv", "chunkkv", "chunkkv-head")
+    **{name: SNAP for name in ("snapkv", "pyramidkv", "adakv", "chunkkv", "chunkkv-head")},
+    # Past the buffer, so that compressible tokens' queries score too.
+    "kara-late": {"obs_window": BUFFER + 9},
 }
 
 
@@ -406,3 +421,13 @@ def test_chunk_references_at_other_chunk_sizes(name: str, chunk_size: int, budge
     window = make_window(BUFFER, seed=chunk_size)
     method = build(name, {**SNAP, "chunk_size": chunk_size}, window)
     REFERENCES[name](method, window, budget)
+
+
+def test_kara_late_with_every_query_is_kara() -> None:
+    """Its ablation: scored by all W + b window queries, kara-late keeps Kara's set."""
+    window = make_window(BUFFER, seed=3)
+    span = window.keys.shape[3]
+    for obs in (span, span + 40):  # more than W + b means all of them
+        late = build("kara-late", {"obs_window": obs}, window).select(window, 13)
+        kara = build("kara", {}, window).select(window, 13)
+        assert torch.equal(late.indices, kara.indices)

@@ -1,0 +1,41 @@
+"""The accuracy reports: the frontier's Pareto points and the headline tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvllm.eval.grid import FULL, CellResult
+from kvllm.eval.report import headline_markdown, pareto, plot_frontier
+
+
+def _cell(method: str, retention: float, right: list[int], held: float, mode: str = "teacher-forced") -> CellResult:
+    problems = [
+        {"uid": str(i), "right": {"generated": k, "prompt": 1}, "reads": {"generated": 10, "prompt": 1}, "recall": None}
+        for i, k in enumerate(right)
+    ]
+    fidelity = sum(right) / (10 * len(right))
+    return CellResult(
+        method, retention, "trace", len(right), 0, 0.0, 100.0, held, 1.0, [False] * len(right), mode=mode,
+        fidelity_generated=fidelity, fidelity_prompt=1.0, held_mean=held, held_end=held, problems=problems,
+    )  # fmt: skip
+
+
+def test_pareto_keeps_the_points_nothing_beats() -> None:
+    points = [(0.5, 0.7), (0.4, 0.6), (0.6, 0.65), (0.4, 0.55), (0.7, 0.9)]
+    assert [points[i] for i in pareto(points)] == [(0.4, 0.6), (0.5, 0.7), (0.7, 0.9)]
+
+
+def test_headline_tables_hold_every_cell_and_the_paired_differences(tmp_path: Path) -> None:
+    results = [
+        _cell(FULL, 1.0, [10, 10, 10, 10], 1.0),
+        _cell("kara", 0.1, [6, 7, 8, 7], 0.4),
+        _cell("kara", 0.2, [8, 8, 9, 7], 0.5),
+        _cell("snapkv", 0.2, [6, 6, 7, 5], 0.5),
+    ]
+    md = headline_markdown(results)
+    assert "| kara | 0.700 [" in md and "(0.40) | 0.800 [" in md
+    assert "| snapkv | - | 0.600 [" in md
+    # kara - snapkv at 0.2 = 0.8 - 0.6 on the same four problems; no snapkv cell at 0.1.
+    assert "| snapkv | - | +0.200 [" in md
+    assert "Full KV: 1.000" in md
+    assert plot_frontier(results, tmp_path / "f.png").stat().st_size > 0

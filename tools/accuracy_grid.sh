@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The accuracy grid of docs/accuracy.md (issue 14), on the held-out test seeds 0-63.
+# Resumable: rerun to continue where it stopped. The baselines' knobs are the ones
+# tools/dev_sweep.py chose on development seeds (docs/accuracy.md, "Tuning record").
+#   tools/accuracy_grid.sh [OUT] [STAGE...]   stages: tf frontier free recall (default: all)
+set -euo pipefail
+OUT=${1:-docs/accuracy/lookup}
+shift || true
+STAGES=${*:-tf frontier free recall}
+KV=${KV:-.venv/bin/kvllm}
+METHODS=adakv,chunkkv,h2o,kara,kara-causal,kara-far,kara-late,kara-topk,pyramidkv,random,rkv,snapkv,streamingllm
+ALL=0.05,0.1,0.2,0.3,0.5,1.0
+
+# The development sweep's observation windows were chosen at W=128, b=32 (160 window
+# queries); at another W and b each keeps its share of the W + b queries.
+declare -A OBS=([snapkv]=96 [chunkkv]=96 [pyramidkv]=128 [adakv]=64 [rkv]=32 [kara-late]=64)
+declare -A OTHER=([chunkkv]="chunk_size=2" [rkv]="lam=0.3")
+tuned() {  # METHODS W b -> --param flags for the methods among METHODS
+  local span=$(($2 + $3)) m
+  for m in ${1//,/ }; do
+    if [[ -n ${OBS[$m]:-} ]]; then echo "--param $m:obs_window=$((OBS[$m] * span / 160))"; fi
+    if [[ -n ${OTHER[$m]:-} ]]; then echo "--param $m:${OTHER[$m]}"; fi
+  done
+}
+E=("$KV" eval --out "$OUT" --n 64 --steps 48 --constants 8)
+for stage in $STAGES; do
+  case $stage in
+    tf)
+      # shellcheck disable=SC2046
+      "${E[@]}" --family trace --batch-size 32 --teacher-forced --method "$METHODS,oracle" --retention $ALL \
+        $(tuned "$METHODS" 128 32) ;;
+    frontier)
+      for wb in "64 16" "256 64"; do
+        read -r w b <<<"$wb"
+        # shellcheck disable=SC2046
+        "${E[@]}" --family trace --window "$w" --buffer "$b" --batch-size 32 --teacher-forced \
+          --method "$METHODS,oracle" --retention 0.05,0.2,0.5 $(tuned "$METHODS" "$w" "$b")
+      done ;;
+    free)
+      # shellcheck disable=SC2046
+      "${E[@]}" --family trace --batch-size 64 --method "$METHODS" --retention $ALL $(tuned "$METHODS" 128 32) ;;
+    recall)
+      m=kara,kara-far,kara-late,snapkv,chunkkv,h2o,pyramidkv
+      # shellcheck disable=SC2046
+      "${E[@]}" --family gen-needle --batch-size 64 --method $m --retention 0.2,1.0 $(tuned $m 128 32) ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done
