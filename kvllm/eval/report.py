@@ -203,7 +203,9 @@ def headline_markdown(results: Sequence[CellResult], reference: str = "kara") ->
         header = "| method | " + " | ".join(f"r={p:g}" for p in points) + " |"
         rule = "| --- |" + " ---: |" * len(points)
         title = f"{family}, {mode}, W={window}, b={buffer}, {group[0]['n']} problems"
-        out += [f"**{title}: generated-read lookup fidelity [95% CI] (memory held)**", "", header, rule]
+        out += [f"**{title}: generated-read lookup fidelity [95% CI] (memory held)**", ""]
+        if methods:
+            out += [header, rule]
         for m in methods:
             cells = [at.get((m, p)) for p in points]
             texts = [
@@ -216,6 +218,9 @@ def headline_markdown(results: Sequence[CellResult], reference: str = "kara") ->
                 f"Full KV: {_ci(full['fidelity'], full['fidelity_ci'])}, prompt reads "
                 f"{_ci(full['fidelity_prompt'], None)}, {full['reads']} generated reads"
             )
+        if not methods:
+            out.append("")
+            continue
         out += ["", f"**{title}: {reference} minus each method, same problems [95% paired CI]**", "", header, rule]
         for m in (m for m in methods if m != reference):
             diffs = [at.get((m, p), {}).get("vs_reference") for p in points]
