@@ -66,6 +66,7 @@ def evaluate(
     from kvllm.eval.report import (
         accuracy_markdown,
         accuracy_rich,
+        frontier_markdown,
         headline_markdown,
         lookup_markdown,
         plot_accuracy,
@@ -108,7 +109,8 @@ def evaluate(
         )  # fmt: skip
     plot_accuracy(results, out / "accuracy.png", title=f"W={window} b={buffer} P={period}")
     (out / "results.md").write_text(accuracy_markdown(results))
-    (out / "lookup.md").write_text(headline_markdown(results) + "\n" + lookup_markdown(results))
+    tables = (headline_markdown(results), frontier_markdown(results), lookup_markdown(results))
+    (out / "lookup.md").write_text("\n".join(tables))
     plot_frontier(results, out / "frontier.png", title=f"W={window} b={buffer} P={period}")
     console.print(accuracy_rich(results))
     console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")

@@ -230,6 +230,35 @@ def headline_markdown(results: Sequence[CellResult], reference: str = "kara") ->
     return "\n".join(out)
 
 
+def frontier_markdown(results: Sequence[CellResult], levels: Sequence[float] = (0.3, 0.4, 0.45, 0.55, 0.6, 0.7)) -> str:
+    """The accuracy-memory frontier as a table, per (family, mode): for each method and
+    memory level, its best generated-read fidelity among cells (any W, b, r) holding at
+    most that share of the generated tokens' KV (time-averaged), with that cell's W/b/r."""
+    rows = [r for r in lookup_rows(results) if r["method"] != FULL]
+    out: list[str] = []
+    for family, mode in sorted({(r["family"], r["mode"]) for r in rows}):
+        mine = [r for r in rows if (r["family"], r["mode"]) == (family, mode)]
+        out += [f"**{family}, {mode}: best generated-read fidelity with memory held <= level (W/b/r)**", ""]
+        out.append("| method | " + " | ".join(f"<= {x:g}" for x in levels) + " |")
+        out.append("| --- |" + " ---: |" * len(levels))
+        best = {}
+        for m in {r["method"] for r in mine}:
+            cells = [r for r in mine if r["method"] == m]
+            best[m] = [max((r for r in cells if r["held_mean"] <= x), key=_by_fidelity, default=None) for x in levels]
+        for m in sorted(best, key=lambda m: (m != ORACLE, -sum(c["fidelity"] for c in best[m] if c))):
+            texts = [
+                "-" if c is None else f"{c['fidelity']:.3f} ({c['window']}/{c['buffer']}/{c['retention']:g})"
+                for c in best[m]
+            ]
+            out.append(f"| {m} | " + " | ".join(texts) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _by_fidelity(row: dict) -> float:
+    return row["fidelity"]
+
+
 def _method_order(group: list[dict], reference: str) -> Callable[[str], tuple]:
     """The oracle first, then ``reference``, then by mean fidelity, best first."""
     means = defaultdict(list)

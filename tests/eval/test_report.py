@@ -39,3 +39,15 @@ def test_headline_tables_hold_every_cell_and_the_paired_differences(tmp_path: Pa
     assert "| snapkv | - | +0.200 [" in md
     assert "Full KV: 1.000" in md
     assert plot_frontier(results, tmp_path / "f.png").stat().st_size > 0
+
+
+def test_frontier_table_takes_each_method_best_cell_under_each_memory_level() -> None:
+    from kvllm.eval.report import frontier_markdown
+
+    results = [
+        _cell("kara", 0.1, [6, 6, 6, 6], 0.4),
+        _cell("kara", 0.2, [8, 8, 8, 8], 0.5),
+        _cell("kara", 0.3, [7, 7, 7, 7], 0.45),
+    ]
+    md = frontier_markdown(results, levels=(0.3, 0.42, 0.46, 0.6))
+    assert "| kara | - | 0.600 (128/32/0.1) | 0.700 (128/32/0.3) | 0.800 (128/32/0.2) |" in md
