@@ -318,7 +318,8 @@ def plot_frontier(results: Sequence[CellResult], path: Path, title: str = "") ->
     if not panels:
         return path
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False, sharey=True)
-    colors = plt.get_cmap("tab20").colors
+    # tab20 without its reds: red is the oracle's.
+    colors = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (6, 7)]
     for ax, (family, mode) in zip(axes[0], panels, strict=True):
         mine = [r for r in rows if (r["family"], r["mode"]) == (family, mode)]
         for k, method in enumerate(sorted({r["method"] for r in mine})):
