@@ -111,7 +111,7 @@ def evaluate(
     (out / "results.md").write_text(accuracy_markdown(results))
     tables = (headline_markdown(results), frontier_markdown(results), lookup_markdown(results))
     (out / "lookup.md").write_text("\n".join(tables))
-    plot_frontier(results, out / "frontier.png", title=f"W={window} b={buffer} P={period}")
+    plot_frontier(results, out / "frontier.png", title=f"P={period}")
     console.print(accuracy_rich(results))
     console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")
 

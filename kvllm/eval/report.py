@@ -318,14 +318,15 @@ def plot_frontier(results: Sequence[CellResult], path: Path, title: str = "") ->
     if not panels:
         return path
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 5), squeeze=False, sharey=True)
-    # tab20 without its reds: red is the oracle's.
-    colors = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (6, 7)]
+    # One colour per method across panels; tab20 without its reds: red is the oracle's.
+    palette = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (6, 7)]
+    colors = {m: palette[k % len(palette)] for k, m in enumerate(sorted({r["method"] for r in rows}))}
     for ax, (family, mode) in zip(axes[0], panels, strict=True):
         mine = [r for r in rows if (r["family"], r["mode"]) == (family, mode)]
-        for k, method in enumerate(sorted({r["method"] for r in mine})):
+        for method in sorted({r["method"] for r in mine}):
             pts = [r for r in mine if r["method"] == method]
             front = [pts[i] for i in pareto([(p["held_mean"], p["fidelity"]) for p in pts])]
-            style = {"linewidth": 1.2, "color": colors[k % len(colors)]}
+            style = {"linewidth": 1.2, "color": colors[method]}
             if method == "kara":
                 style = {"linewidth": 2.8, "color": "black"}
             elif method == ORACLE:
@@ -339,7 +340,8 @@ def plot_frontier(results: Sequence[CellResult], path: Path, title: str = "") ->
             )
         for r in (r for r in every if r["method"] == FULL and (r["family"], r["mode"]) == (family, mode)):
             ax.axhline(r["fidelity"], color="grey", linestyle=":", label="Full KV")
-        ax.set_title(f"{family}, {mode}")
+        points = sorted({(r["window"], r["buffer"]) for r in mine})
+        ax.set_title(f"{family}, {mode} (W/b: {', '.join(f'{w}/{b}' for w, b in points)})")
         ax.set_xlabel("KV held for generated tokens (time-averaged share)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("generated-read lookup fidelity")
