@@ -24,6 +24,7 @@ from kvllm.cli.options import (
     progress,
     split,
 )
+from kvllm.eval.grid import ORACLE
 
 
 def evaluate(
@@ -60,7 +61,7 @@ def evaluate(
 ) -> None:
     """Accuracy vs retention for every method: exact match, lookup fidelity, memory held;
     tables, CSV/JSON and plots. Resumes."""
-    from kvllm.eval.grid import ORACLE, cells, run_grid
+    from kvllm.eval.grid import cells, run_grid
     from kvllm.eval.math_data import load_math
     from kvllm.eval.problems import task_problems
     from kvllm.eval.report import (
@@ -69,6 +70,7 @@ def evaluate(
         frontier_markdown,
         headline_markdown,
         lookup_markdown,
+        lookup_rows,
         plot_accuracy,
         plot_frontier,
     )
@@ -109,9 +111,10 @@ def evaluate(
         )  # fmt: skip
     plot_accuracy(results, out / "accuracy.png", title=f"W={window} b={buffer} P={period}")
     (out / "results.md").write_text(accuracy_markdown(results))
-    tables = (headline_markdown(results), frontier_markdown(results), lookup_markdown(results))
+    rows = lookup_rows(results)  # bootstraps every cell: once, for the tables and the plot
+    tables = (headline_markdown(rows), frontier_markdown(rows), lookup_markdown(results, rows))
     (out / "lookup.md").write_text("\n".join(tables))
-    plot_frontier(results, out / "frontier.png", title=f"P={period}")
+    plot_frontier(rows, out / "frontier.png", title=f"P={period}")
     console.print(accuracy_rich(results))
     console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")
 
@@ -124,8 +127,8 @@ def method_params(pairs: dict, methods: list[str]) -> dict[str, dict]:
         method, sep, name = key.partition(":")
         if not sep:
             continue
-        if method not in out or method == "oracle":
-            why = "the oracle takes none" if method == "oracle" else f"{method!r} is not among --method"
+        if method not in out or method == ORACLE:
+            why = "the oracle takes none" if method == ORACLE else f"{method!r} is not among --method"
             raise typer.BadParameter(f"--param {key}={value} is invalid: {why}")
         out[method][name] = value
     return out

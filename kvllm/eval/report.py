@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from pathlib import Path
 
 import matplotlib
@@ -132,6 +133,7 @@ def lookup_rows(results: Sequence[CellResult], reference: str = "kara") -> list[
             "accuracy_ci": wilson(cell.correct, cell.n),
             "recall": cell.recall,
             "recall_ci": None,
+            "reference": reference,
             "vs_reference": None,
         }
         recalls = [p["recall"] for p in cell.problems if p["recall"] is not None]
@@ -154,16 +156,22 @@ def _ci(value: float | None, ci: tuple[float, float] | None) -> str:
     return f"{value:.3f}" if ci is None else f"{value:.3f} [{ci[0]:.3f}-{ci[1]:.3f}]"
 
 
-def lookup_markdown(results: Sequence[CellResult], reference: str = "kara") -> str:
-    """Markdown: per (family, mode, W, b), a row per (method, retention) with generated-read
-    fidelity [95% CI], prompt-read fidelity, memory held (mean, end), the paired difference
-    to ``reference``, exact match and self-recall [Wilson 95%]; then fidelity by distance."""
-    rows = lookup_rows(results, reference)
-    out: list[str] = []
+def _by_setting(rows: Sequence[dict]) -> list[tuple[tuple, list[dict]]]:
+    """:func:`lookup_rows` grouped by (family, mode, W, b), in that order."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
         groups[(row["family"], row["mode"], row["window"], row["buffer"])].append(row)
-    for (family, mode, window, buffer), group in sorted(groups.items()):
+    return sorted(groups.items())
+
+
+def lookup_markdown(results: Sequence[CellResult], rows: Sequence[dict]) -> str:
+    """Markdown: per (family, mode, W, b), a row per (method, retention) of ``rows``
+    (:func:`lookup_rows` of ``results``) with generated-read fidelity [95% CI],
+    prompt-read fidelity, memory held (mean, end), the paired difference to the rows'
+    reference, exact match and self-recall [Wilson 95%]; then fidelity by distance."""
+    out: list[str] = []
+    for (family, mode, window, buffer), group in _by_setting(rows):
+        reference = group[0]["reference"]
         out += [f"**{family}, {mode}, W={window}, b={buffer}** ({group[0]['n']} problems)", ""]
         out.append(
             f"| method | r | generated-read fidelity [95% CI] | prompt reads | held (mean) | held (end) "
@@ -187,16 +195,14 @@ def lookup_markdown(results: Sequence[CellResult], reference: str = "kara") -> s
     return "\n".join(out)
 
 
-def headline_markdown(results: Sequence[CellResult], reference: str = "kara") -> str:
-    """The headline tables, per (family, mode, W, b): a row per method and a column per
-    retention, each cell generated-read fidelity [95% bootstrap CI] (time-averaged memory
-    held); then ``reference`` minus each method on the same problems [95% paired CI]."""
-    rows = lookup_rows(results, reference)
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    for row in rows:
-        groups[(row["family"], row["mode"], row["window"], row["buffer"])].append(row)
+def headline_markdown(rows: Sequence[dict]) -> str:
+    """The headline tables of :func:`lookup_rows`, per (family, mode, W, b): a row per
+    method and a column per retention, each cell generated-read fidelity [95% bootstrap
+    CI] (time-averaged memory held); then the rows' reference minus each method on the
+    same problems [95% paired CI]."""
     out: list[str] = []
-    for (family, mode, window, buffer), group in sorted(groups.items()):
+    for (family, mode, window, buffer), group in _by_setting(rows):
+        reference = group[0]["reference"]
         points = sorted({r["retention"] for r in group if r["method"] != FULL})
         methods = sorted({r["method"] for r in group if r["method"] != FULL}, key=_method_order(group, reference))
         at = {(r["method"], r["retention"]): r for r in group}
@@ -230,11 +236,13 @@ def headline_markdown(results: Sequence[CellResult], reference: str = "kara") ->
     return "\n".join(out)
 
 
-def frontier_markdown(results: Sequence[CellResult], levels: Sequence[float] = (0.3, 0.4, 0.45, 0.55, 0.6, 0.7)) -> str:
-    """The accuracy-memory frontier as a table, per (family, mode): for each method and
-    memory level, its best generated-read fidelity among cells (any W, b, r) holding at
-    most that share of the generated tokens' KV (time-averaged), with that cell's W/b/r."""
-    rows = [r for r in lookup_rows(results) if r["method"] != FULL]
+def frontier_markdown(rows: Sequence[dict], levels: Sequence[float] = (0.3, 0.4, 0.45, 0.55, 0.6, 0.7)) -> str:
+    """The accuracy-memory frontier of :func:`lookup_rows` as a table, per (family, mode):
+    for each method and memory level, its best generated-read fidelity among cells (any
+    W, b, r) holding at most that share of the generated tokens' KV (time-averaged),
+    with that cell's W/b/r."""
+    rows = [r for r in rows if r["method"] != FULL]
+    by_fidelity = itemgetter("fidelity")
     out: list[str] = []
     for family, mode in sorted({(r["family"], r["mode"]) for r in rows}):
         mine = [r for r in rows if (r["family"], r["mode"]) == (family, mode)]
@@ -244,7 +252,7 @@ def frontier_markdown(results: Sequence[CellResult], levels: Sequence[float] = (
         best = {}
         for m in {r["method"] for r in mine}:
             cells = [r for r in mine if r["method"] == m]
-            best[m] = [max((r for r in cells if r["held_mean"] <= x), key=_by_fidelity, default=None) for x in levels]
+            best[m] = [max((r for r in cells if r["held_mean"] <= x), key=by_fidelity, default=None) for x in levels]
         for m in sorted(best, key=lambda m: (m != ORACLE, -sum(c["fidelity"] for c in best[m] if c))):
             texts = [
                 "-" if c is None else f"{c['fidelity']:.3f} ({c['window']}/{c['buffer']}/{c['retention']:g})"
@@ -253,10 +261,6 @@ def frontier_markdown(results: Sequence[CellResult], levels: Sequence[float] = (
             out.append(f"| {m} | " + " | ".join(texts) + " |")
         out.append("")
     return "\n".join(out)
-
-
-def _by_fidelity(row: dict) -> float:
-    return row["fidelity"]
 
 
 def _method_order(group: list[dict], reference: str) -> Callable[[str], tuple]:
@@ -306,13 +310,13 @@ def pareto(points: Sequence[tuple[float, float]]) -> list[int]:
     return keep
 
 
-def plot_frontier(results: Sequence[CellResult], path: Path, title: str = "") -> Path:
-    """Generated-read fidelity vs time-averaged memory held, a panel per (family, mode).
+def plot_frontier(every: Sequence[dict], path: Path, title: str = "") -> Path:
+    """Generated-read fidelity vs time-averaged memory held (:func:`lookup_rows`), a panel
+    per (family, mode).
 
     Each method's cells (its retentions at every W and b) are points; its frontier (the
     cells no other of its cells beats on both axes) is a line with a 95% bootstrap band.
     """
-    every = lookup_rows(results)  # bootstraps every cell: once per plot
     rows = [r for r in every if r["method"] != FULL]
     panels = sorted({(r["family"], r["mode"]) for r in rows})
     if not panels:

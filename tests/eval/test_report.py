@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvllm.eval.grid import FULL, CellResult
-from kvllm.eval.report import headline_markdown, pareto, plot_frontier
+from kvllm.eval.report import headline_markdown, lookup_rows, pareto, plot_frontier
 
 
 def _cell(method: str, retention: float, right: list[int], held: float, mode: str = "teacher-forced") -> CellResult:
@@ -32,13 +32,13 @@ def test_headline_tables_hold_every_cell_and_the_paired_differences(tmp_path: Pa
         _cell("kara", 0.2, [8, 8, 9, 7], 0.5),
         _cell("snapkv", 0.2, [6, 6, 7, 5], 0.5),
     ]
-    md = headline_markdown(results)
+    md = headline_markdown(lookup_rows(results))
     assert "| kara | 0.700 [" in md and "(0.40) | 0.800 [" in md
     assert "| snapkv | - | 0.600 [" in md
     # kara - snapkv at 0.2 = 0.8 - 0.6 on the same four problems; no snapkv cell at 0.1.
     assert "| snapkv | - | +0.200 [" in md
     assert "Full KV: 1.000" in md
-    assert plot_frontier(results, tmp_path / "f.png").stat().st_size > 0
+    assert plot_frontier(lookup_rows(results), tmp_path / "f.png").stat().st_size > 0
 
 
 def test_frontier_table_takes_each_method_best_cell_under_each_memory_level() -> None:
@@ -49,5 +49,5 @@ def test_frontier_table_takes_each_method_best_cell_under_each_memory_level() ->
         _cell("kara", 0.2, [8, 8, 8, 8], 0.5),
         _cell("kara", 0.3, [7, 7, 7, 7], 0.45),
     ]
-    md = frontier_markdown(results, levels=(0.3, 0.42, 0.46, 0.6))
+    md = frontier_markdown(lookup_rows(results), levels=(0.3, 0.42, 0.46, 0.6))
     assert "| kara | - | 0.600 (128/32/0.1) | 0.700 (128/32/0.3) | 0.800 (128/32/0.2) |" in md
