@@ -64,6 +64,8 @@ def test_replace_validates() -> None:
         ("kara", "rho", 0.0, "(0, 1]"),
         ("kara", "beta", -1.0, ">= 0"),
         ("kara-causal", "max_gap", -1, "[0, inf]"),
+        ("kara-far", "band", 0, "[1, 159]"),
+        ("kara-late", "obs_window", 0, "[1, inf]"),
         ("snapkv", "obs_window", 0, "[1, 160]"),
         ("snapkv", "pool_kernel", 4, "odd"),
         ("chunkkv", "chunk_size", 0, "[1, 128]"),
