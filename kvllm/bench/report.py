@@ -146,7 +146,7 @@ def write_results(rows: Sequence[dict[str, Any]], out: Path, columns: Sequence[s
 
 
 def write_report(rows: Sequence[dict[str, Any]], out: Path, title: str = "") -> dict[str, Any]:
-    """results.csv, results.json (with pool-usage traces), summary.json/md, and three PNGs."""
+    """results.csv, results.json (with pool-usage traces), summary.json/md, and four PNGs."""
     out.mkdir(parents=True, exist_ok=True)
     rows = sorted(rows, key=lambda r: (r["pool_blocks"], r["concurrency"], r["system"], r["repeat"]))
     write_results(rows, out, SCALARS)
@@ -155,6 +155,7 @@ def write_report(rows: Sequence[dict[str, Any]], out: Path, title: str = "") -> 
     (out / "summary.md").write_text(markdown_table(summary))
     plot_throughput(summary, out / "throughput.png", title)
     plot_ratios(summary, out / "ratios.png", title)
+    plot_compression(summary, out / "compression.png", title)
     plot_usage(rows, out / "pool_usage.png")
     return summary
 
@@ -166,7 +167,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
     systems = [s for s in SYSTEMS if any(c["system"] == s for c in summary["cells"])]
     others = [s for s in systems if s != base]
     head = ["pool", "C", *systems, *(f"{s} / {base}" for s in others)]
-    head += [f"preempt. ({s})" for s in systems] + [f"rounds ({s})" for s in systems if s not in UNCOMPRESSED]
+    compressing = [s for s in systems if s not in UNCOMPRESSED]
+    head += [f"preempt. ({s})" for s in systems] + [f"rounds ({s})" for s in compressing]
+    head += [f"compress % ({s})" for s in compressing]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     keys = sorted({(c["pool_blocks"], c["concurrency"]) for c in summary["cells"]})
     for pool, conc in keys:
@@ -176,7 +179,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
         row += [_cell(by.get(s), "tok_s", "{:.0f}") for s in systems]
         row += [_cell(by.get(s), "ratio", "{:.2f}") for s in others]
         row += ["-" if s not in by else f"{by[s]['preemptions']:.0f}" for s in systems]
-        row += ["-" if s not in by else f"{by[s]['rounds']:.0f}" for s in systems if s not in UNCOMPRESSED]
+        row += ["-" if s not in by else f"{by[s]['rounds']:.0f}" for s in compressing]
+        row += ["-" if s not in by else f"{100 * by[s]['compress_share']:.1f}" for s in compressing]
         lines.append("| " + " | ".join(row) + " |")
     if summary["limit"]:
         lines += [
@@ -251,6 +255,29 @@ def plot_ratios(summary: dict[str, Any], path: Path, title: str = "") -> Path:
                     _ratio_line(ax, limit, f"{system} / ceiling", colors[system], "--")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         _concurrency_panel(ax, summary, pool, f"output tok/s / {summary['baseline']}", 7)
+    return save_figure(fig, path, title)
+
+
+def plot_compression(summary: dict[str, Any], path: Path, title: str = "") -> Path:
+    """Compression rounds' share of engine time vs concurrency, a line per compressing
+    system, a panel per pool: the mechanism of the concurrency-throughput inversion
+    (docs/throughput.md), since a round stalls the whole batch's next step."""
+    pools = sorted({c["pool_blocks"] for c in summary["cells"]})
+    fig, axes = plt.subplots(1, len(pools), figsize=(5 * len(pools), 4), squeeze=False)
+    colors = {s: f"C{i}" for i, s in enumerate(SYSTEMS)}
+    for ax, pool in zip(axes[0], pools, strict=True):
+        for system in SYSTEMS:
+            mine = sorted(
+                (c for c in summary["cells"] if (c["system"], c["pool_blocks"]) == (system, pool)),
+                key=lambda c: c["concurrency"],
+            )
+            if system in UNCOMPRESSED or not mine:
+                continue
+            xs = [c["concurrency"] for c in mine]
+            ys = [100 * c["compress_share"] for c in mine]
+            ax.plot(xs, ys, marker="o", markersize=3, label=system, color=colors[system])
+        ax.set_ylim(bottom=0)
+        _concurrency_panel(ax, summary, pool, "compression rounds (% of engine time)", 7)
     return save_figure(fig, path, title)
 
 

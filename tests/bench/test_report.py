@@ -51,7 +51,7 @@ def test_report_files(tmp_path: Path) -> None:
     rows = [_row(s, 0, c, t) for s, t in (("vanilla", 100.04), ("kara", 130.06)) for c in (8, 16)]
     write_report(rows, tmp_path)
     names = ("results.csv", "results.json", "summary.json", "summary.md", "throughput.png", "ratios.png")
-    for name in (*names, "pool_usage.png"):
+    for name in (*names, "compression.png", "pool_usage.png"):
         assert (tmp_path / name).stat().st_size > 0, name
     header = (tmp_path / "results.csv").read_text().splitlines()[0]
     assert "tok_s" in header.split(",") and "usage" not in header.split(",")
@@ -59,7 +59,9 @@ def test_report_files(tmp_path: Path) -> None:
 
 def test_markdown_table_has_a_row_per_cell() -> None:
     rows = [_row(s, 0, c, t * c) for s, t in (("vanilla", 100.0), ("kara", 150.0)) for c in (8, 16)]
+    rows = [{**r, "compress_share": 0.0234} if r["system"] == "kara" else r for r in rows]
     table = markdown_table(summarize(rows)).splitlines()
     assert table[0].startswith("| pool | C | vanilla | kara | kara / vanilla |")
-    assert table[2] == "| 64 | 8 | 800 [800-800] | 1200 [1200-1200] | 1.50 | 0 | 0 | 0 |"
+    assert table[0].endswith("| rounds (kara) | compress % (kara) |")
+    assert table[2] == "| 64 | 8 | 800 [800-800] | 1200 [1200-1200] | 1.50 | 0 | 0 | 0 | 2.3 |"
     assert len(table) == 4
