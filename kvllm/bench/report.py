@@ -21,6 +21,8 @@ from kvllm.plots import save_figure
 
 # Ratios are to vLLM at its defaults when that ran, else to the constrained vanilla.
 BASELINES = ("vanilla-default", "vanilla")
+# One colour per system in every plot, so panels and files compare at a glance.
+COLORS = {s: f"C{i}" for i, s in enumerate(SYSTEMS)}
 SCALARS = (
     "system",
     "pool",
@@ -211,14 +213,10 @@ def _cell(cell: dict[str, Any] | None, key: str, fmt: str) -> str:
 
 def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Path:
     """Output tok/s vs concurrency, a line per system (min-max bars), a panel per pool."""
-    pools = sorted({c["pool_blocks"] for c in summary["cells"]})
-    fig, axes = plt.subplots(1, len(pools), figsize=(5 * len(pools), 4), squeeze=False)
-    for ax, pool in zip(axes[0], pools, strict=True):
+    fig, panels = _pool_panels(summary)
+    for ax, pool in panels:
         for system in SYSTEMS:
-            mine = sorted(
-                (c for c in summary["cells"] if c["system"] == system and c["pool_blocks"] == pool),
-                key=lambda c: c["concurrency"],
-            )
+            mine = _cells_of(summary, system, pool)
             if not mine:
                 continue
             xs = [c["concurrency"] for c in mine]
@@ -237,22 +235,17 @@ def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Pat
 def plot_ratios(summary: dict[str, Any], path: Path, title: str = "") -> Path:
     """Each system's tok/s over the baseline's vs concurrency (min-max bars), a panel per
     pool; the tight pool's panel also draws the limit rows (dashed: over the ceiling)."""
-    pools = sorted({c["pool_blocks"] for c in summary["cells"]})
-    fig, axes = plt.subplots(1, len(pools), figsize=(5 * len(pools), 4), squeeze=False)
-    colors = {s: f"C{i}" for i, s in enumerate(SYSTEMS)}
-    for ax, pool in zip(axes[0], pools, strict=True):
+    fig, panels = _pool_panels(summary)
+    for ax, pool in panels:
         for system in SYSTEMS:
-            mine = sorted(
-                (c for c in summary["cells"] if (c["system"], c["pool_blocks"]) == (system, pool) and c["ratio"]),
-                key=lambda c: c["concurrency"],
-            )
+            mine = [c for c in _cells_of(summary, system, pool) if c["ratio"]]
             if system == summary["baseline"] or not mine:
                 continue
-            _ratio_line(ax, mine, system, colors[system], "-")
-            if pool == pools[0] and summary["limit"]:
+            _ratio_line(ax, mine, system, COLORS[system], "-")
+            if pool == panels[0][1] and summary["limit"]:
                 limit = sorted((r for r in summary["limit"] if r["system"] == system), key=lambda r: r["concurrency"])
                 if limit:
-                    _ratio_line(ax, limit, f"{system} / ceiling", colors[system], "--")
+                    _ratio_line(ax, limit, f"{system} / ceiling", COLORS[system], "--")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         _concurrency_panel(ax, summary, pool, f"output tok/s / {summary['baseline']}", 7)
     return save_figure(fig, path, title)
@@ -262,23 +255,31 @@ def plot_compression(summary: dict[str, Any], path: Path, title: str = "") -> Pa
     """Compression rounds' share of engine time vs concurrency, a line per compressing
     system, a panel per pool: the mechanism of the concurrency-throughput inversion
     (docs/throughput.md), since a round stalls the whole batch's next step."""
-    pools = sorted({c["pool_blocks"] for c in summary["cells"]})
-    fig, axes = plt.subplots(1, len(pools), figsize=(5 * len(pools), 4), squeeze=False)
-    colors = {s: f"C{i}" for i, s in enumerate(SYSTEMS)}
-    for ax, pool in zip(axes[0], pools, strict=True):
+    fig, panels = _pool_panels(summary)
+    for ax, pool in panels:
         for system in SYSTEMS:
-            mine = sorted(
-                (c for c in summary["cells"] if (c["system"], c["pool_blocks"]) == (system, pool)),
-                key=lambda c: c["concurrency"],
-            )
+            mine = _cells_of(summary, system, pool)
             if system in UNCOMPRESSED or not mine:
                 continue
             xs = [c["concurrency"] for c in mine]
             ys = [100 * c["compress_share"] for c in mine]
-            ax.plot(xs, ys, marker="o", markersize=3, label=system, color=colors[system])
+            ax.plot(xs, ys, marker="o", markersize=3, label=system, color=COLORS[system])
         ax.set_ylim(bottom=0)
         _concurrency_panel(ax, summary, pool, "compression rounds (% of engine time)", 7)
     return save_figure(fig, path, title)
+
+
+def _pool_panels(summary: dict[str, Any]) -> tuple[Any, list[tuple[Any, int]]]:
+    """A figure with one panel per pool (smallest first), and its (axes, pool) pairs."""
+    pools = sorted({c["pool_blocks"] for c in summary["cells"]})
+    fig, axes = plt.subplots(1, len(pools), figsize=(5 * len(pools), 4), squeeze=False)
+    return fig, list(zip(axes[0], pools, strict=True))
+
+
+def _cells_of(summary: dict[str, Any], system: str, pool: int) -> list[dict[str, Any]]:
+    """``system``'s summary cells in ``pool``, by concurrency."""
+    mine = (c for c in summary["cells"] if (c["system"], c["pool_blocks"]) == (system, pool))
+    return sorted(mine, key=lambda c: c["concurrency"])
 
 
 def _ratio_line(ax: Any, points: list[dict[str, Any]], label: str, color: str, style: str) -> None:
