@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from kvllm.eval.lookup import BUCKETS, bucket, char_to_token, malformed_lines, reads, self_recall, tally
+from kvllm.eval.lookup import (
+    BUCKETS,
+    LookupTally,
+    Read,
+    bucket,
+    char_to_token,
+    forced_tally,
+    malformed_lines,
+    reads,
+    self_recall,
+    tally,
+)
 from kvllm.eval.tasks import Difficulty, make_task
 
 PROMPT = "trace: evaluate and report ci.\n bo41\n ku13\n ce = bo + ku\n ci = ce - bo\n<think>"
@@ -66,11 +77,132 @@ def test_distances_in_tokens_on_a_real_task() -> None:
     assert text == task.target
     got = reads(task.prompt, text, owner, prompt_owner)
     assert len(got) == 12 and all(r.right for r in got)
-    assert all(r.distance is not None and r.distance > 0 for r in got)
-    prompt_reads = [r.distance for r in got if r.source == "prompt"]
-    generated = [r.distance for r in got if r.source == "generated"]
-    # A generated value is read after the line that wrote it, nearer than any constant.
-    assert generated and prompt_reads and min(prompt_reads) > 0
+    # Counted by hand from the shipped tokenizer's pieces: the prompt is 62 tokens, its
+    # constants' digits start at tokens 9 (su), 13 (ta), 17 (te) and 21 (ti). Every
+    # statement line is 18 tokens (one name token, one token per digit), line k's first
+    # read's digits at 62 + 8 + 18k, its second's at 62 + 12 + 18k, its result's at
+    # 62 + 16 + 18k. A value written on the line before is read 10 or 14 tokens later;
+    # `to`, written on line 0 and read on line 5, 82 tokens later: farther back than the
+    # prompt's `ta` read on line 0 (57), so a generated source is not always the nearer.
+    assert [(r.name, r.source, r.distance) for r in got] == [
+        ("ta", "prompt", 57),
+        ("ta", "prompt", 61),
+        ("to", "generated", 10),
+        ("su", "prompt", 83),
+        ("ta", "prompt", 93),
+        ("tu", "generated", 14),
+        ("va", "generated", 10),
+        ("ta", "prompt", 115),
+        ("ti", "prompt", 121),
+        ("ta", "prompt", 133),
+        ("to", "generated", 82),
+        ("vi", "generated", 14),
+    ]
+
+
+def _owner(pieces: list[str]) -> tuple[str, list[int]]:
+    """The text of ``pieces`` and, per character, the index of its piece: a tokenization
+    written out by hand, so that every token position below can be counted."""
+    return "".join(pieces), [i for i, piece in enumerate(pieces) for _ in piece]
+
+
+# PROMPT, cut into 29 tokens. `bo`'s name takes two tokens and its digits one, `ku`'s
+# digits two: a distance measured from a name, or from a read's last digit instead of
+# its first, comes out different from the one measured between first digits.
+PROMPT_PIECES = [
+    "trace", ":", " evaluate", " and", " report", " ci", ".", "\n",  # 0-7
+    " b", "o", "41", "\n",  # 8-11: bo's digits at 10
+    " ku", "1", "3", "\n",  # 12-15: ku's digits at 13
+    " ce", " =", " bo", " +", " ku", "\n",  # 16-21
+    " ci", " =", " ce", " -", " bo", "\n",  # 22-27
+    "<think>",  # 28
+]  # fmt: skip
+# The completion after those 29 prompt tokens: position = 29 + index.
+COMPLETION_PIECES = [
+    "\n", " ce", " =", " bo", " +", " ku", " =",  # 0-6
+    " bo", "4", "1", " +", " ku", "13", " =", " ce", "5", "4",  # 7-16: reads at 8, 12; ce's digits at 15
+    "\n", " ci", " =", " ce", " -", " bo", " =",  # 17-23
+    " ce", "54", " -", " b", "o", "4", "1", " =", " ci", "13",  # 24-33: reads at 25, 29
+    "\n", "</think>", "\n", " ci", "13",  # 34-38
+]  # fmt: skip
+
+
+def test_distances_count_tokens_between_first_digits_across_prompt_and_completion() -> None:
+    prompt, prompt_owner = _owner(PROMPT_PIECES)
+    completion, owner = _owner(COMPLETION_PIECES)
+    assert prompt == PROMPT and len(PROMPT_PIECES) == 29
+    got = reads(PROMPT, completion, owner, prompt_owner)
+    assert [(r.name, r.source, r.distance) for r in got] == [
+        ("bo", "prompt", 29 + 8 - 10),  # 27
+        ("ku", "prompt", 29 + 12 - 13),  # 28
+        ("ce", "generated", 25 - 15),  # 10: both in the completion, no prompt offset
+        ("bo", "prompt", 29 + 29 - 10),  # 48
+    ]
+    # Without both maps there are no distances, and no distance bucket is counted.
+    assert all(r.distance is None for r in reads(PROMPT, completion, owner, None))
+    assert tally(PROMPT, completion, 8, owner, None).bucket_reads == {"<W": 0, "W-2W": 0, "2W-4W": 0, ">4W": 0}
+
+
+@pytest.mark.parametrize(("window", "label"), [(11, "<W"), (10, "W-2W"), (5, "2W-4W"), (2, ">4W")])
+def test_tally_buckets_the_generated_read_by_its_distance(window: int, label: str) -> None:
+    # The one generated read is 10 tokens back; the three prompt reads stay out of the
+    # buckets whatever their distance.
+    _, prompt_owner = _owner(PROMPT_PIECES)
+    completion, owner = _owner(COMPLETION_PIECES)
+    t = tally(PROMPT, completion, window, owner, prompt_owner)
+    assert t.reads == {"prompt": 3, "generated": 1} and t.right == {"prompt": 3, "generated": 1}
+    assert t.bucket_reads == {b: int(b == label) for b, _, _ in BUCKETS}
+    assert t.bucket_right == t.bucket_reads
+
+
+def test_lookup_tally_counts_each_read_in_its_distance_bucket() -> None:
+    def read(source: str, distance: int | None, right: bool) -> Read:
+        return Read("x", 0, right, 1, source, distance)
+
+    t = LookupTally()
+    added = [
+        read("generated", 0, True),  # <W: [0, 32)
+        read("generated", 31, False),
+        read("generated", 32, True),  # W-2W: [32, 64)
+        read("generated", 63, True),
+        read("generated", 64, False),  # 2W-4W: [64, 128)
+        read("generated", 127, True),
+        read("generated", 128, True),  # >4W: [128, inf)
+        read("generated", 5000, False),
+        read("generated", 1000, False),
+        read("generated", None, True),  # no offsets: counted by source, not by distance
+        read("prompt", 10, True),  # prompt reads are never bucketed
+        read("prompt", 40, False),
+    ]
+    for r in added:
+        t.add(r, 32)
+    assert t.reads == {"prompt": 2, "generated": 10}
+    assert t.right == {"prompt": 1, "generated": 6}
+    assert t.bucket_reads == {"<W": 2, "W-2W": 2, "2W-4W": 2, ">4W": 3}
+    assert t.bucket_right == {"<W": 1, "W-2W": 2, "2W-4W": 1, ">4W": 1}
+
+
+def test_forced_tally_buckets_the_argmax_reads_by_distance() -> None:
+    """Teacher-forced (docs/accuracy.md's by-distance table): the reads of the forced
+    completion, graded on the argmax at their digits, in the buckets of their distance."""
+    from transformers import AutoTokenizer
+
+    from kvllm.assets import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    task = make_task("trace", 3, Difficulty(constants=4, steps=6))
+    forced = tokenizer(task.target)["input_ids"]
+    # The argmax spells the forced tokens, except at line 5's read of `to` (82 tokens
+    # back, see test_distances_in_tokens_on_a_real_task): its digits are tokens 98 and 99.
+    predictions = list(forced)
+    assert tokenizer.decode(forced[97:100]) == " to00"
+    predictions[99] = tokenizer(" 1")["input_ids"][-1]
+    assert tokenizer.decode(predictions[98:100]) == "01"
+    t = forced_tally(tokenizer, task.prompt, forced, predictions, 32)
+    # Generated reads at 10, 14, 10, 82, 14 tokens: four under W = 32, one in [2W, 4W).
+    assert t.reads == {"prompt": 7, "generated": 5} and t.right == {"prompt": 7, "generated": 4}
+    assert t.bucket_reads == {"<W": 4, "W-2W": 0, "2W-4W": 1, ">4W": 0}
+    assert t.bucket_right == {"<W": 4, "W-2W": 0, "2W-4W": 0, ">4W": 0}
 
 
 @pytest.mark.parametrize(("distance", "label"), [(0, "<W"), (31, "<W"), (32, "W-2W"), (127, "2W-4W"), (128, ">4W")])
