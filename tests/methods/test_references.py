@@ -103,6 +103,37 @@ def kvpress_snapkv(window: Window, bi: int, li: int, obs: int, kernel: int) -> T
     return pooled.view(hkv, -1, n - obs).mean(1)
 
 
+def observed_snapkv(window: Window, bi: int, li: int, obs: int, kernel: int) -> Tensor:
+    """SnapKV's scores by their definition, for any observation window: ``[Hkv, C]``.
+
+    kvpress scores "all but the window" with the window's queries; here the scored keys
+    are the compressible area and the observers the span's last ``obs`` tokens, which
+    reach into the area when ``obs`` exceeds the buffer. So, query by query: the token
+    at span position ``p`` (the last ``obs``) attends causally to keys ``0..p``; its
+    weights on the area's keys add to their scores (keys after ``p`` get nothing from
+    it), over the GQA group; then the zero-padded average pool along the area, as SnapKV
+    pools the keys it scores. In fp64, with no shared code with the package.
+    """
+    q, k = window.queries[bi, li].double(), window.keys[bi, li].double()
+    hq, nq, d = q.shape
+    hkv, n = k.shape[:2]
+    c, group = window.n_compress, hq // hkv
+    scores = torch.zeros(hkv, c, dtype=torch.float64)
+    for h in range(hq):
+        for p in range(n - obs, n):
+            query = q[h, nq - (n - p)]  # the queries are the span's last nq tokens'
+            weights = (k[h // group, : p + 1] @ query / math.sqrt(d)).softmax(-1)
+            scores[h // group, : min(c, p + 1)] += weights[:c]
+    return torch.stack([avg_pool(row, kernel) for row in scores])
+
+
+def snap_scores(window: Window, bi: int, li: int, obs: int, kernel: int) -> Tensor:
+    """kvpress verbatim where its window is the buffer, the definition past it."""
+    if window.keys.shape[3] - obs == window.n_compress:
+        return kvpress_snapkv(window, bi, li, obs, kernel)
+    return observed_snapkv(window, bi, li, obs, kernel)
+
+
 # ----------------------------------------------------------------------------- Kara
 
 
@@ -165,7 +196,7 @@ def kara_reference(causal: bool, chunks: bool) -> Reference:
 
 def snapkv_reference(window: Window, budget: int, params: Any) -> Tensor:
     def kept(bi: int, li: int) -> list[list[int]]:
-        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        s = snap_scores(window, bi, li, params.obs_window, params.pool_kernel)
         return [top(row, budget) for row in s]
 
     return rows_to_mask(window, kept)
@@ -195,7 +226,7 @@ def pyramidkv_reference(window: Window, budget: int, params: Any) -> Tensor:
     counts = pyramid_schedule(layers, budget, params.beta, window.n_compress)
 
     def kept(bi: int, li: int) -> list[list[int]]:
-        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        s = snap_scores(window, bi, li, params.obs_window, params.pool_kernel)
         return [top(row, counts[li]) for row in s]
 
     return rows_to_mask(window, kept)
@@ -206,7 +237,7 @@ def adakv_reference(window: Window, budget: int, params: Any) -> Tensor:
     then prune the layer's global bottom ``H * (C - m)``."""
 
     def kept(bi: int, li: int) -> list[list[int]]:
-        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        s = snap_scores(window, bi, li, params.obs_window, params.pool_kernel)
         hkv, c = s.shape
         n_safe = int(budget * params.floor)
         s = s.clone()
@@ -244,7 +275,7 @@ def chunkkv_reference(window: Window, budget: int, params: Any) -> Tensor:
     means, the same chunks for all heads; topped up to exactly m."""
 
     def kept(bi: int, li: int) -> list[list[int]]:
-        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        s = snap_scores(window, bi, li, params.obs_window, params.pool_kernel)
         layer = s.sum(0)
         row = chunk_fill(layer, chunk_means(layer, params.chunk_size), params.chunk_size, budget)
         return [row] * s.shape[0]
@@ -257,7 +288,7 @@ def chunkkv_head_reference(window: Window, budget: int, params: Any) -> Tensor:
     size = params.chunk_size
 
     def kept(bi: int, li: int) -> list[list[int]]:
-        s = kvpress_snapkv(window, bi, li, params.obs_window, params.pool_kernel)
+        s = snap_scores(window, bi, li, params.obs_window, params.pool_kernel)
         sums = [[float(row[lo : lo + size].sum()) for lo in range(0, len(row), size)] for row in s]
         return [chunk_fill(row, chunk, size, budget) for row, chunk in zip(s, sums, strict=True)]
 
@@ -431,3 +462,30 @@ def test_kara_late_with_every_query_is_kara() -> None:
         late = build("kara-late", {"obs_window": obs}, window).select(window, 13)
         kara = build("kara", {}, window).select(window, 13)
         assert torch.equal(late.indices, kara.indices)
+
+
+# The accuracy grid runs the SnapKV family with observation windows past the buffer
+# (tools/accuracy_grid.sh: 96, 128, 64 at W=128, b=32): scored in part by the
+# compressible tokens' own queries, which kvpress's layout never has.
+SNAP_FAMILY = ("snapkv", "pyramidkv", "adakv", "chunkkv", "chunkkv-head")
+
+
+@pytest.mark.parametrize("obs_window", [40, 64, 96])
+@pytest.mark.parametrize("name", SNAP_FAMILY)
+def test_snapkv_family_with_an_observation_window_past_the_buffer(name: str, obs_window: int) -> None:
+    """W = 64, b = 32: 40 observers reach 8 tokens into the area, 64 half of it, 96 all."""
+    for budget in (5, 13, 30):
+        window = make_window(32, n_compress=64, seed=obs_window + budget)
+        # chunkkv at the grid's chunk_size 2; chunkkv-head at its default 20 (a short last chunk).
+        params = {"obs_window": obs_window, **({"chunk_size": 2} if name == "chunkkv" else {})}
+        REFERENCES[name](build(name, params, window), window, budget)
+
+
+def test_observed_snapkv_is_kvpress_when_the_window_is_the_buffer() -> None:
+    """The definition the tests past the buffer use agrees with kvpress where both apply."""
+    window = make_window(BUFFER, seed=5)
+    for li in range(window.keys.shape[1]):
+        ours = observed_snapkv(window, 1, li, BUFFER, 7)
+        theirs = kvpress_snapkv(window, 1, li, BUFFER, 7)
+        # kvpress means over the observers and the group where the definition sums.
+        torch.testing.assert_close(ours.float(), theirs * BUFFER * window.group)
