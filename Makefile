@@ -34,6 +34,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
+	# The README's headline numbers against the stored results files in docs/.
+	$(PY) tools/check_docs.py
 	$(PY) -m pytest -q
 
 clean:
