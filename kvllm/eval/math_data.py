@@ -2,8 +2,8 @@
 
 Each line holds at least ``problem`` and ``answer`` (the MATH-500 field names; ``question``
 is accepted for ``problem``). A completion is right when math-verify finds the gold
-answer equivalent to the completion's final ``\\boxed{}`` answer, so ``0.5``,
-``\\frac{1}{2}`` and ``\\frac{2}{4}`` all match ``1/2``.
+answer equivalent to the completion's final ``\\boxed{}`` answer
+(:func:`kvllm.eval.grading.grade_math`).
 """
 
 from __future__ import annotations
@@ -11,24 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from math_verify import LatexExtractionConfig, parse, verify
-
 from kvllm.eval.problems import Problem
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-# Only boxed answers count: a number merely mentioned in the reasoning is not an answer.
-_BOXED_ONLY = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
-
-
-def grade_math(gold: str, completion: str) -> bool:
-    """Whether the completion's last ``\\boxed{}`` answer equals ``gold`` (math-verify)."""
-    gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$")
-    # math-verify merges nearby boxed answers into a set; only the last one counts here.
-    last = completion.rfind("\\boxed")
-    if last < 0:
-        return False
-    answer = parse(completion[last:], extraction_config=_BOXED_ONLY)
-    return bool(gold_parsed) and bool(answer) and verify(gold_parsed, answer)
 
 
 def load_math(path: str | Path, tokenizer, max_new_tokens: int, limit: int | None = None) -> list[Problem]:

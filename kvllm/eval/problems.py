@@ -26,7 +26,7 @@ class Problem:
         if self.grader == "task":
             return tasks.extract_answer(completion) == self.answer
         if self.grader == "math":
-            from kvllm.eval.math_data import grade_math
+            from kvllm.eval.grading import grade_math  # math-verify loads slowly: only when used
 
             return grade_math(self.answer, completion)
         raise ValueError(f"grader={self.grader!r} is invalid: must be 'task' or 'math'")

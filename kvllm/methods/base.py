@@ -18,13 +18,10 @@ import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
-
-if TYPE_CHECKING:
-    from kvllm.config import CompressionConfig
 
 #: How a method parameter is named in errors: the user sets it through the config.
 FIELD = "CompressionConfig.params"
@@ -190,8 +187,19 @@ def method_class(name: str) -> type[Method]:
     return _REGISTRY[name]
 
 
+class Configured(Protocol):
+    """What :func:`build` reads of a :class:`~kvllm.config.CompressionConfig`: named here,
+    not imported, since the config imports this module and the dependency runs one way."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def method_params(self) -> MethodParams: ...
+
+
 @functools.lru_cache(maxsize=256)
-def build(config: CompressionConfig) -> Method:
+def build(config: Configured) -> Method:
     """The method named by ``config.method``, with its resolved parameters.
 
     Built once per configuration and shared: methods hold no state between calls.

@@ -94,9 +94,10 @@ def check_vllm_config(vllm_config: Any) -> CompressionConfig | None:
     if config is None:
         return None
     scheduler = vllm_config.scheduler_config.get_scheduler_cls()
-    from kvllm.vllm.scheduler import CompressingScheduler
-
-    if not (isinstance(scheduler, type) and issubclass(scheduler, CompressingScheduler)):
+    # By name along the MRO, not issubclass: the scheduler imports this module, and the
+    # dependency runs one way.
+    lineage = {f"{c.__module__}.{c.__qualname__}" for c in getattr(scheduler, "__mro__", ())}
+    if SCHEDULER not in lineage:
         raise ValueError(
             f"additional_config.{KEY} is set but scheduler_cls={getattr(scheduler, '__qualname__', scheduler)} "
             f"is not KvLLM's scheduler: compression would never run; start vLLM with scheduler_cls={SCHEDULER!r} "
