@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import itertools
 import time
 
+import numpy as np
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvllm.methods.token2chunk import token2chunk
@@ -84,3 +86,89 @@ def test_selection_for_a_full_model_window_is_fast() -> None:
     start = time.perf_counter()
     token2chunk(s, 64, 0.5, 1.0, 16)
     assert time.perf_counter() - start < 2.0
+
+
+def token2chunk_spec(s: list[float], budget: int, rho: float, beta: float, max_gap: int) -> list[int]:
+    """docs/design.md, "Token2Chunk", step by step in plain Python on one row of scores.
+
+    Written from the spec, not from the package's vectorised code. Token scores are
+    assumed distinct (the spec leaves their ties to ``torch.topk``).
+    """
+    c = len(s)
+    m = min(budget, c)  # 1.
+    k = min(m, max(1, round(rho * m)))
+    best_first = sorted(range(c), key=lambda i: -s[i])
+    cands = sorted(best_first[:k])
+    kept = set(cands)
+    remaining = m - k
+    if k > 1 and m > k:
+        chunks = []  # 2.-3. (sigma, left endpoint's rank among the candidates, gap)
+        for rank, (lo, hi) in enumerate(itertools.pairwise(cands)):
+            gap = hi - lo - 1
+            if 0 < gap <= max_gap:
+                sigma = float(np.float32(s[lo] + s[hi]) / np.float32((gap + 2) ** beta))
+                chunks.append((sigma, rank, gap))
+        # 4. By decreasing sigma, equal sigmas earlier gap first; whole chunks or none.
+        for _, rank, gap in sorted(chunks, key=lambda chunk: (-chunk[0], chunk[1])):
+            if gap <= remaining:
+                kept.update(range(cands[rank] + 1, cands[rank + 1]))
+                remaining -= gap
+    for i in best_first:  # 5. The rest of the budget to the best tokens not yet kept.
+        if remaining == 0:
+            break
+        if i not in kept:
+            kept.add(i)
+            remaining -= 1
+    return sorted(kept)  # 6.
+
+
+def test_spec_reference_on_the_worked_examples() -> None:
+    """The reference itself against the hand-worked cases above."""
+    assert token2chunk_spec(_scores(20, {5: 10.0, 8: 9.0, 15: 8.0}).tolist(), 4, 0.5, 1.0, 16) == [5, 6, 7, 8]
+    s = _scores(16, {2: 5.0, 4: 4.0, 12: 3.0, 14: 1.0, 9: 0.5}).tolist()
+    assert token2chunk_spec(s, 6, 0.5, 1.0, 16) == [2, 3, 4, 9, 12, 14]
+    assert token2chunk_spec(_scores(12, {1: 5.0, 4: 4.0}).tolist(), 4, 0.5, 1.0, 1) == [1, 4, 10, 11]
+
+
+def test_equal_chunk_scores_fill_the_earlier_gap_first() -> None:
+    # m = 5, K = round(0.6 * 5) = 3 candidates {0, 3, 6}; both gaps hold 2 tokens and
+    # score (5 + 4) / 4, and the 2 slots left take one of them: the earlier.
+    s = _scores(12, {0: 5.0, 3: 4.0, 6: 5.0})
+    assert token2chunk_spec(s.tolist(), 5, 0.6, 1.0, 16) == [0, 1, 2, 3, 6]
+    assert token2chunk(s, 5, 0.6, 1.0, 16).tolist() == [0, 1, 2, 3, 6]
+
+
+@settings(max_examples=200, deadline=None)
+@given(c=st.integers(2, 48), data=st.data())
+def test_matches_the_spec_with_tied_chunk_scores(c: int, data: st.DataObject) -> None:
+    """Scores a permutation of 0..C-1 and an integer beta: the chunk scores are exact in
+    fp32, so the visiting order is the spec's to the last tie (e.g. (3 + 5) / 4 ==
+    (1 + 5) / 3). Tied chunks that compete for the last slots come up in about 2% of
+    draws, so the tie-break itself is pinned by the case above."""
+    s = [float(v) for v in data.draw(st.permutations(range(c)))]
+    m = data.draw(st.integers(1, c + 3))
+    rho = data.draw(st.sampled_from([0.25, 0.4, 0.5, 0.75, 1.0]))
+    beta = data.draw(st.sampled_from([0.0, 1.0, 2.0]))
+    max_gap = data.draw(st.integers(1, 12))
+    got = token2chunk(torch.tensor([s]), m, rho, beta, max_gap)[0].tolist()
+    assert got == token2chunk_spec(s, m, rho, beta, max_gap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    c=st.integers(1, 64),
+    rows=st.integers(1, 4),
+    data=st.data(),
+)
+def test_matches_the_spec_row_by_row(c: int, rows: int, data: st.DataObject) -> None:
+    """Random fp32 scores, any beta: every row of a batch is its own Token2Chunk."""
+    m = data.draw(st.integers(1, c))
+    rho = data.draw(st.floats(0.05, 1.0))
+    beta = data.draw(st.floats(0.0, 3.0))
+    max_gap = data.draw(st.integers(0, 20))
+    seed = data.draw(st.integers(0, 2**16))
+    s = torch.rand(rows, c, generator=torch.Generator().manual_seed(seed))
+    assume(all(len(set(row)) == c for row in s.tolist()))  # distinct token scores
+    got = token2chunk(s, m, rho, beta, max_gap)
+    for row, kept in zip(s.tolist(), got.tolist(), strict=True):
+        assert kept == token2chunk_spec(row, m, rho, beta, max_gap)
