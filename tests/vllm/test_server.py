@@ -6,6 +6,8 @@ import asyncio
 import os
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,8 +15,10 @@ import httpx
 import openai
 import pytest
 
+from kvllm.assets import model_path
+from kvllm.config import CompressionConfig
 from kvllm.vllm.launch import start_server
-from tests.vllm.conftest import PROMPTS, serving
+from tests.vllm.conftest import PROMPTS, engine, greedy, serving
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
@@ -29,6 +33,9 @@ FLAGS = ["--kv-window", "32", "--kv-buffer", "8", "--kv-period", "4", "--kv-rete
 FLAGS += ["--dtype", "float32", "--block-size", "32", "--max-model-len", "512", "--enforce-eager"]
 FLAGS += ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "128", "--max-num-seqs", "32"]
 FLAGS += ["--chat-template", TEMPLATE]
+# The tiny-prompt guard is on by default only on AMX CPUs (server.tiny_prompt_guard): set
+# it here so that it is tested on every machine.
+FLAGS += ["--kv-min-prompt-tokens", "5"]
 
 
 def _env() -> dict[str, str]:
@@ -98,6 +105,24 @@ def test_per_request_overrides_are_honoured(server: str, tiny_model: str) -> Non
     assert off["method"] is None and off["compressions"] == 0
 
 
+def test_a_per_request_method_runs_that_method(server: str, tiny_model: str) -> None:
+    """A request overridden to SnapKV generates exactly what an engine started with SnapKV
+    at the server's settings generates, and not what the server's Kara generates."""
+
+    def complete(extra: dict) -> str:
+        body = {"model": tiny_model, "prompt": PROMPTS[2], "max_tokens": 150, "temperature": 0.0, "ignore_eos": True}
+        response = httpx.post(f"{server}/v1/completions", json={**body, **extra}, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    kara, snap = complete({}), complete({"kvllm": {"method": "snapkv"}})
+    config = CompressionConfig(method="snapkv", window=32, buffer=8, period=4, retention=0.25)
+    with engine(tiny_model, config, num_gpu_blocks_override=128, max_num_seqs=32) as llm:
+        (expected,) = llm.generate([PROMPTS[2]], greedy(150))
+    assert snap == expected.outputs[0].text
+    assert snap != kara
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -118,14 +143,59 @@ def test_bad_override_gets_400(server: str, tiny_model: str, override: object, m
     assert message in response.json()["error"]["message"]
 
 
-def test_tiny_prompt_is_refused_and_server_survives(server: str, tiny_model: str) -> None:
-    response = httpx.post(f"{server}/v1/completions", json={"model": tiny_model, "prompt": "v1", "max_tokens": 4})
+@pytest.mark.parametrize("prompt", ["v1", [11, 12], ["a longer prompt here, well over five tokens", "v1"]])
+def test_tiny_prompt_is_refused_and_server_survives(server: str, tiny_model: str, prompt: object) -> None:
+    """Text and token ids alike, and any prompt of a batch."""
+    response = httpx.post(f"{server}/v1/completions", json={"model": tiny_model, "prompt": prompt, "max_tokens": 4})
     assert response.status_code == 400
     assert "at least 5" in response.json()["error"]["message"]
-    ok = httpx.post(
-        f"{server}/v1/completions", json={"model": tiny_model, "prompt": PROMPTS[1], "max_tokens": 4}, timeout=60
+    for ok_prompt in (PROMPTS[1], list(range(10, 16))):
+        ok = httpx.post(
+            f"{server}/v1/completions", json={"model": tiny_model, "prompt": ok_prompt, "max_tokens": 4}, timeout=60
+        )
+        assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(("amx", "expected"), [(True, 5), (False, 0)])
+def test_the_tiny_prompt_guard_is_on_where_the_crash_was_seen(
+    amx: bool, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from kvllm.vllm.server import tiny_prompt_guard
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    assert tiny_prompt_guard() == expected
+
+
+def _readme_serve_lines() -> list[list[str]]:
+    """The README's `kvllm serve [MODEL] ...` lines, MODEL left out as its brackets allow."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    lines = re.findall(r"^\.venv/bin/kvllm serve \[MODEL\] (.*)$", readme, re.M)
+    assert lines, "the README shows no `kvllm serve [MODEL]` line"
+    return [line.split() for line in lines]
+
+
+def test_the_readmes_serve_line_as_written_answers(tmp_path: Path) -> None:
+    """The README's serving line, no model, no memory share: it must start and answer. Only
+    the port is swapped for a free one; the memory share is kvllm serve's own choice."""
+    flags = max(_readme_serve_lines(), key=len)
+    if "--port" in flags:
+        flags[flags.index("--port") + 1] = str(_free_port())
+    else:
+        flags += ["--port", str(_free_port())]
+    port = flags[flags.index("--port") + 1]
+    log = tmp_path / "server.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvllm.cli", "serve", *flags],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=_env(),
     )
-    assert ok.status_code == 200
+    with serving(process, f"http://127.0.0.1:{port}", log) as base:
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200
+        models = httpx.get(f"{base}/v1/models", timeout=5).json()["data"]
+        assert [m["id"] for m in models] == [str(model_path())]
 
 
 STATS = ("method", "retention", "logical_length", "physical_length", "compressions", "tokens_dropped", "blocks_freed")
@@ -173,13 +243,24 @@ def test_streamed_response_ends_with_the_statistics(server: str, tiny_model: str
 def test_streamed_completion_ends_with_the_statistics(server: str, tiny_model: str) -> None:
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300)
     stream = client.completions.create(
-        model=tiny_model, prompt=PROMPTS[4], max_tokens=80, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        model=tiny_model,
+        prompt=PROMPTS[4],
+        max_tokens=80,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
-    assert chunks[-1].choices[0].finish_reason == "length"
-    stats = chunks[-1].model_extra["kv_transfer_params"]["kvllm"]
+    assert chunks[-2].choices[0].finish_reason == "length"
+    final = chunks[-1]
+    stats = final.model_extra["kv_transfer_params"]["kvllm"]
     assert stats["method"] == "kara" and stats["compressions"] > 0
-    assert stats["logical_length"] - stats["physical_length"] == stats["tokens_dropped"] > 0
+    # Each from its own source: the tokens seen from vLLM's usage (the last sampled token
+    # has no KV yet), the tokens dropped from the flags (a round keeps 0.25 of W=32).
+    assert stats["logical_length"] == final.usage.prompt_tokens + final.usage.completion_tokens - 1
+    assert stats["tokens_dropped"] == stats["compressions"] * 24
+    assert stats["physical_length"] == stats["logical_length"] - stats["tokens_dropped"]
 
 
 async def _drop_at_statistics(base: str, model: str, prompt: str, usage: bool) -> bool:
@@ -312,3 +393,40 @@ def test_metrics_with_two_api_servers(tiny_model: str, tmp_path: Path) -> None:
                 assert values["tokens_dropped_total"] == stats["tokens_dropped"]
                 assert values["kv_logical_tokens"] == values["kv_blocks_used"] == 0
                 assert re.search(r"^vllm:request_success_total\{", text, re.M)  # vLLM's own, merged
+
+
+def test_data_parallel_engines_each_serve_and_compress(tiny_model: str, tmp_path: Path) -> None:
+    """`--data-parallel-size 2`: two engines, each with its own KvLLM scheduler and pool,
+    behind one API server. Concurrent requests land on both; each engine compresses, and
+    every request generates exactly what one engine at the same settings generates for it
+    alone (one engine's output does not depend on the other's); the kvllm:* counters sum
+    both engines' rounds."""
+    log = tmp_path / "server.log"
+    flags = [*FLAGS, "--data-parallel-size", "2"]
+    process, base = start_server(tiny_model, _free_port(), flags, log=log, env=_env())
+    body = {"model": tiny_model, "max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
+
+    async def main(url: str) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+            responses = await asyncio.gather(
+                *(client.post("/v1/completions", json={**body, "prompt": p}) for p in PROMPTS[:8])
+            )
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        return [r.json() for r in responses]
+
+    with serving(process, base, log) as url:
+        served = asyncio.run(main(url))
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    per_engine = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^vllm:request_success_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$', text, re.M)
+        if float(m.group(2)) > 0
+    }
+    assert set(per_engine) == {"0", "1"} and sum(per_engine.values()) == 8, per_engine
+    stats = [r["kv_transfer_params"]["kvllm"] for r in served]
+    assert all(s["compressions"] > 0 for s in stats)
+    assert _kvllm(text)["compression_rounds_total"] == sum(s["compressions"] for s in stats)
+    config = CompressionConfig(window=32, buffer=8, period=4, retention=0.25)
+    with engine(tiny_model, config, num_gpu_blocks_override=128, max_num_seqs=32) as llm:
+        alone = [llm.generate([p], greedy(120))[0].outputs[0].text for p in PROMPTS[:8]]
+    assert [r["choices"][0]["text"] for r in served] == alone
