@@ -169,13 +169,28 @@ def test_method_params_scope_to_their_method() -> None:
     assert got == {"snapkv": {"obs_window": 16, "pool_kernel": 3}, "chunkkv": {"obs_window": 16, "chunk_size": 5}}
 
 
-def test_per_method_params_are_applied_and_recorded(tmp_path: Path) -> None:
+def test_per_method_params_are_applied_and_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import asdict
+
     from kvllm import CompressionConfig
     from kvllm.cli.options import load_model
     from kvllm.eval.grid import run_grid
     from kvllm.eval.problems import task_problems
     from kvllm.eval.tasks import Difficulty
+    from kvllm.methods import Method, Selection, Window
+    from kvllm.methods.kara import Kara
+    from kvllm.methods.snapkv import SnapKV
 
+    # What each method's select ran with, round by round: the override must reach the
+    # method, not only the record.
+    ran: dict[str, list[dict]] = {"kara": [], "snapkv": []}
+    for cls in (Kara, SnapKV):
+
+        def spy(self: Method, window: Window, budget: int, original=cls.select) -> Selection:
+            ran[self.name].append(asdict(self.params))
+            return original(self, window, budget)
+
+        monkeypatch.setattr(cls, "select", spy)
     tok, lm = load_model(None)
     problems = {"trace": task_problems("trace", 2, Difficulty(constants=4, steps=6), tok)}
     base = CompressionConfig(window=32, buffer=8, period=4)
@@ -183,6 +198,10 @@ def test_per_method_params_are_applied_and_recorded(tmp_path: Path) -> None:
     params = {c.method: c.params for c in got}
     # Resolved: the defaults and the override, as the cell ran.
     assert params == {"kara": {"rho": 0.5, "beta": 1.0, "max_gap": 16}, "snapkv": {"obs_window": 8, "pool_kernel": 7}}
+    # ...and as the methods ran: rounds ran in both cells, each with its cell's params.
+    assert ran["kara"] and ran["snapkv"]
+    for method, seen in ran.items():
+        assert all(p == params[method] for p in seen), (method, seen)
     with pytest.raises(ValueError, match="nope"):
         run_grid(lm, tok, problems, ["kara", "snapkv"], [0.25], base, tmp_path / "bad", params={"snapkv": {"nope": 1}})
     # Resuming with other params would mix two settings under one key.
