@@ -52,10 +52,20 @@ def test_threshold_budget_must_exceed_window_under_threshold_policy() -> None:
 
 
 def test_replace_validates() -> None:
-    cfg = CompressionConfig()
-    assert cfg.replace(retention=0.5).retention == 0.5
+    # Every field off its default, so a replace that rebuilt from defaults would show.
+    cfg = CompressionConfig(
+        method="snapkv", retention=0.1, window=64, buffer=16, period=8, block_size=16, policy="threshold",
+        threshold_budget=200, threshold_interval=32, admission="projected", params={"obs_window": 70},
+    )  # fmt: skip
+    half = cfg.replace(retention=0.5)
+    assert dataclasses.asdict(half) == {**dataclasses.asdict(cfg), "retention": 0.5}
+    assert half.budget == 32 and cfg.budget == round(0.1 * 64) and cfg.retention == 0.1  # derived; cfg untouched
+    assert half.method_params.obs_window == 70
     with pytest.raises(ValueError, match="retention"):
         cfg.replace(retention=2.0)
+    # The method's params are checked again against the new window: 70 > W + b = 68.
+    with pytest.raises(ValueError, match=r"CompressionConfig.params.obs_window=70 .*\[1, 68\]"):
+        cfg.replace(buffer=4)
 
 
 @pytest.mark.parametrize(
