@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from kvllm import CompressionConfig
 from kvllm.cli import app
+from kvllm.methods import Selection, Window
 from kvllm.testing import save_tiny_model
 
 runner = CliRunner()
@@ -41,11 +43,35 @@ def test_generate_rejects_bad_config(tiny: Path) -> None:
     assert "retention=0.0" in result.output and "(0, 1]" in result.output
 
 
-def test_bench_selection_runs_on_a_small_shape() -> None:
+def test_bench_selection_runs_on_a_small_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvllm.bench import selection
+
+    # Every select call's method, window shape and budget: the flags must reach the calls timed.
+    calls: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] = []
+    build = selection.build
+
+    class Spy:
+        def __init__(self, config: CompressionConfig) -> None:
+            self.config, self.method = config, build(config)
+
+        def select(self, window: Window, budget: int) -> Selection:
+            calls.append((self.config.method, tuple(window.queries.shape), tuple(window.keys.shape), budget))
+            return self.method.select(window, budget)
+
+    monkeypatch.setattr(selection, "build", Spy)
     args = ["bench", "selection", "--method", "kara", "--method", "snapkv", "--layers", "2", "--heads", "4"]
     result = runner.invoke(app, [*args, "--kv-heads", "2", "--head-dim", "16", "--repeats", "2"])
     assert result.exit_code == 0, result.output
-    assert "kara" in result.output and "snapkv" in result.output
+    # One warm-up and two timed calls per method, on one window of W + b = 160 tokens
+    # (the defaults), 2 layers, 4 query and 2 KV heads of 16 dims, budget round(0.2 * 128).
+    shapes = ((1, 2, 4, 160, 16), (1, 2, 2, 160, 16), 26)
+    assert calls == [("kara", *shapes)] * 3 + [("snapkv", *shapes)] * 3
+    assert "W=128, b=32, 2 layers, 4q/2kv heads" in " ".join(result.output.split())
+    rows = [line.split("│")[1:-1] for line in result.output.splitlines() if line.count("│") == 6]
+    timed = [[cell.strip() for cell in row] for row in rows if row[0].strip() in ("kara", "snapkv")]
+    assert [row[:2] for row in timed] == [["kara", "1"], ["snapkv", "1"]]
+    for _, _, median, low, high in timed:
+        assert 0 <= float(low) <= float(median) <= float(high)
 
 
 def test_generate_on_the_vllm_backend(tmp_path: Path) -> None:
@@ -61,10 +87,27 @@ def test_generate_on_the_vllm_backend(tmp_path: Path) -> None:
     assert int(new) == 80 and int(rounds) >= 1 and int(physical) < int(logical)
 
 
-def test_generate_takes_method_params_and_rejects_bad_ones(tiny: Path) -> None:
-    args = ["generate", "--model", str(tiny), "--window", "32", "--buffer", "8", "--max-new-tokens", "4", "a prompt"]
-    good = runner.invoke(app, [*args, "--param", "rho=0.25", "--param", "max_gap=4"])
+def test_generate_takes_method_params_and_rejects_bad_ones(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dataclasses import asdict
+
+    from kvllm.methods.kara import Kara
+
+    # The params each Kara round ran with: they must reach the method, not only parse.
+    ran: list[dict] = []
+    select = Kara.select
+
+    def spy(self: Kara, window: Window, budget: int) -> Selection:
+        ran.append(asdict(self.params))
+        return select(self, window, budget)
+
+    monkeypatch.setattr(Kara, "select", spy)
+    # The bad ones fail at the config, before generating anything.
+    args = ["generate", "--model", str(tiny), "--window", "32", "--buffer", "8", "a prompt"]
+    # 44 tokens through W=32, b=8, P=4: a round runs (at the 40th).
+    longer = ["--period", "4", "--max-new-tokens", "44", "--ignore-eos"]
+    good = runner.invoke(app, [*args, *longer, "--param", "rho=0.25", "--param", "max_gap=4"])
     assert good.exit_code == 0, good.output
+    assert ran and all(p == {"rho": 0.25, "beta": 1.0, "max_gap": 4} for p in ran), ran
     bad = runner.invoke(app, [*args, "--param", "rho=2"])
     assert bad.exit_code != 0 and "CompressionConfig.params.rho=2" in bad.output
     malformed = runner.invoke(app, [*args, "--param", "rho"])
