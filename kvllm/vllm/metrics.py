@@ -39,6 +39,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "tokens_dropped": ("counter", "KV slots removed by compression"),
     "blocks_freed": ("counter", "KV blocks returned to the pool by compression"),
     "compress_seconds": ("counter", "Worker time spent compressing"),
+    # Counted where the scheduler preempts; vllm:num_preemptions_total misses requests
+    # aborted before their next output, which never deliver the event (docs/serving.md).
     "preemptions": ("counter", "Requests preempted by the compressing scheduler (vLLM's scheduler too)"),
     "kv_logical_tokens": ("gauge", "Tokens the running requests have seen (their KV without compression)"),
     "kv_physical_tokens": ("gauge", "KV slots the running requests hold (after compression)"),
