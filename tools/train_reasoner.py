@@ -27,7 +27,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from kvllm.eval.tasks import END_THINK, FAMILIES, NAMES, THINK, TRAIN_SEEDS, Difficulty, make_task
+from kvllm.eval.tasks import END_THINK, FAMILIES, NAMES, THINK, TRACE_FAMILIES, TRAIN_SEEDS, Difficulty, make_task
 
 # The shipped model's shape; tools/probe_recall.py trains the same one.
 SHAPE = {"hidden": 192, "layers": 4, "heads": 6, "kv_heads": 2}
@@ -35,10 +35,10 @@ SHAPE = {"hidden": 192, "layers": 4, "heads": 6, "kv_heads": 2}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK
 
 
-def build_tokenizer(vocab_size: int, seed: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE over generated task text; every digit is a token of its own."""
+def build_tokenizer(vocab_size: int, seed: int, families: tuple[str, ...] = TRACE_FAMILIES) -> PreTrainedTokenizerFast:
+    """Byte-level BPE over generated task text of ``families``; every digit is a token of its own."""
     rng = random.Random(seed)
-    corpus = [make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), _difficulty(rng, 1.0)).text for _ in range(1500)]
+    corpus = [make_task(rng.choice(families), rng.choice(TRAIN_SEEDS), _difficulty(rng, 1.0)).text for _ in range(1500)]
     tok = Tokenizer(models.BPE())
     # Each digit is a token of its own, the same for a value's first and second digit: the
     # name right before a value (``bo41``) is then the token right before its first digit.
@@ -97,7 +97,9 @@ def _difficulty(rng: random.Random, level: float, steps: int | None = None, top_
     top_constants = 3 + round(13 * level)
     top = 3 + round((top_steps - 3) * level)
     steps = steps if steps is not None else rng.randint(1, top)
-    return Difficulty(constants=rng.randint(2, top_constants), steps=steps, depth=rng.random())
+    constants = rng.randint(2, top_constants)
+    # Programs of more than 74 steps (reason's 84) leave fewer names for constants.
+    return Difficulty(constants=constants, steps=min(steps, len(NAMES) - constants), depth=rng.random())
 
 
 def _recall(rng: random.Random, pairs: int, queries: int) -> tuple[str, str]:
@@ -151,6 +153,7 @@ def _batch(
     name_ids: torch.Tensor,
     digit_ids: torch.Tensor,
     pairs: int | None = None,
+    families: tuple[str, ...] = TRACE_FAMILIES,
 ):
     """Examples up to ``token_budget`` padded tokens; labels only on the target.
 
@@ -176,7 +179,7 @@ def _batch(
         elif kind == "drill":
             text, answer = _drill(rng, n)
         else:
-            task = make_task(rng.choice(FAMILIES), rng.choice(TRAIN_SEEDS), d)
+            task = make_task(rng.choice(families), rng.choice(TRAIN_SEEDS), d)
             text, answer = task.prompt, task.target
         prompt = tok(text)["input_ids"]
         target = tok(answer)["input_ids"] + [tok.eos_token_id]
@@ -286,6 +289,11 @@ def main() -> None:
         "--recall-batch-tokens", type=int, default=512, help="warm-up batches: smaller, so more steps per minute"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--families",
+        default=",".join(TRACE_FAMILIES),
+        help=f"task families to train on, comma-separated, of {', '.join(FAMILIES)} (the shipped model: the default)",
+    )
     p.add_argument("--top-steps", type=int, default=48, help="longest program of the curriculum")
     p.add_argument("--level-up", type=float, default=0.85, help="digit accuracy that raises the task level")
     p.add_argument("--lookup-gate", type=float, default=0.9, help="lookup accuracy that adds a warm-up record")
@@ -311,9 +319,13 @@ def main() -> None:
     p.add_argument("--save-every", type=float, default=0.0, help="minutes between snapshots (0: at the end)")
     args = p.parse_args()
     rng = random.Random(args.seed)
+    families = tuple(f.strip() for f in args.families.split(",") if f.strip())
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown or not families:
+        p.error(f"--families {args.families!r} is invalid: must name some of {', '.join(FAMILIES)}")
 
     tok = (
-        build_tokenizer(args.vocab, args.seed)
+        build_tokenizer(args.vocab, args.seed, families)
         if args.init_from is None
         else PreTrainedTokenizerFast.from_pretrained(args.init_from)
     )
@@ -395,6 +407,7 @@ def main() -> None:
             name_ids,
             digit_ids,
             pairs=pairs if warming else None,
+            families=families,
         )
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         loss = out.loss

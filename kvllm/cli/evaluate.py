@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kvllm.cli.options import (
-    ALL_FAMILIES,
-    FAMILIES,
     METHODS,
     RETENTIONS,
+    TASK_FAMILIES,
     Buffer,
     D,
     Model,
@@ -25,6 +24,7 @@ from kvllm.cli.options import (
     split,
 )
 from kvllm.eval.grid import ORACLE
+from kvllm.eval.tasks import FAMILIES
 
 
 def evaluate(
@@ -34,10 +34,16 @@ def evaluate(
     model: Model = None,
     method: Annotated[list[str], typer.Option(help="Methods (repeatable or comma-separated).")] = METHODS,
     retention: Annotated[list[str], typer.Option(help="Retentions (1.0 = Full KV; repeatable, commas).")] = RETENTIONS,
-    family: Annotated[list[str], typer.Option(help="Task families (repeatable or comma-separated).")] = ALL_FAMILIES,
+    family: Annotated[
+        list[str], typer.Option(help="Task families (repeatable or comma-separated); 'reason' too, by name.")
+    ] = TASK_FAMILIES,
     n: Annotated[int, typer.Option(help="Problems per family.")] = 32,
-    steps: Annotated[int, typer.Option(help="Program steps per task (CoT about 18 tokens each).")] = 40,
-    constants: Annotated[int, typer.Option(help="Constants per program.")] = 12,
+    steps: Annotated[
+        int | None, typer.Option(help="Program steps per task; default 40 (reason: 84).", show_default=False)
+    ] = None,
+    constants: Annotated[
+        int | None, typer.Option(help="Constants per program; default 12 (reason: 6).", show_default=False)
+    ] = None,
     depth: Annotated[float, typer.Option(help="prompt-needle depth in [0, 1].")] = 0.5,
     math_jsonl: Annotated[list[Path] | None, typer.Option(help="MATH/AIME jsonl files instead of tasks.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Math problems: generation budget.")] = 4096,
@@ -74,7 +80,6 @@ def evaluate(
         plot_accuracy,
         plot_frontier,
     )
-    from kvllm.eval.tasks import Difficulty
 
     methods, retentions, families = split(method), split(retention, float), split(family)
     for r in retentions:
@@ -91,14 +96,14 @@ def evaluate(
         if f not in FAMILIES:
             raise typer.BadParameter(f"--family {f!r} is invalid: must be one of {', '.join(FAMILIES)}")
     try:
-        difficulty = Difficulty(constants=constants, steps=steps, depth=depth)
+        difficulties = {f: family_difficulty(f, constants, steps, depth) for f in families}
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     tok, lm = load_model(model)
     if math_jsonl:
         problems = {p.stem: load_math(p, tok, max_new_tokens) for p in math_jsonl}
     else:
-        problems = {f: task_problems(f, n, difficulty, tok, first_seed=first_seed) for f in families}
+        problems = {f: task_problems(f, n, difficulties[f], tok, first_seed=first_seed) for f in families}
     grid = cells(methods, retentions, list(problems), teacher_forced)
     total = sum(len(problems[f]) * samples for _, _, f, _ in grid)
     with progress() as bar:
@@ -117,6 +122,18 @@ def evaluate(
     plot_frontier(rows, out / "frontier.png", title=f"P={period}")
     console.print(accuracy_rich(results))
     console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")
+
+
+def family_difficulty(family: str, constants: int | None, steps: int | None, depth: float) -> Any:
+    """The flags' difficulty for ``family``; a knob not given is the family's default."""
+    from kvllm.eval.tasks import REASON_DIFFICULTY, Difficulty
+
+    default = REASON_DIFFICULTY if family == "reason" else Difficulty()
+    return Difficulty(
+        constants=default.constants if constants is None else constants,
+        steps=default.steps if steps is None else steps,
+        depth=depth,
+    )
 
 
 def method_params(pairs: dict, methods: list[str]) -> dict[str, dict]:

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from kvllm.cli.options import (
-    FAMILIES,
     Backend,
     Buffer,
     D,
@@ -25,6 +24,7 @@ from kvllm.cli.options import (
     parse_params,
     progress,
 )
+from kvllm.eval.tasks import FAMILIES
 
 
 def generate(

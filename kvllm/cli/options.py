@@ -21,7 +21,7 @@ from kvllm.bench.shapes import SHAPES
 from kvllm.bench.throughput import SYSTEMS
 from kvllm.config import POLICIES, CompressionConfig
 from kvllm.eval.grid import DEFAULT_RETENTIONS
-from kvllm.eval.tasks import FAMILIES
+from kvllm.eval.tasks import TRACE_FAMILIES
 from kvllm.methods import available
 
 console = Console()
@@ -29,7 +29,7 @@ D = CompressionConfig()
 # List defaults, as module-level values (typer reads them; nothing mutates them).
 METHODS = available()
 RETENTIONS = [",".join(str(r) for r in DEFAULT_RETENTIONS)]
-ALL_FAMILIES = list(FAMILIES)
+TASK_FAMILIES = list(TRACE_FAMILIES)
 ALL_SYSTEMS = list(SYSTEMS)
 CONCURRENCY = ["16,32,64,128"]
 POOLS = ["8x,16x,max"]

@@ -167,7 +167,7 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
     record = {
         "uid": problem.uid,
         "correct": problem.grade(text),
-        "recall": lookup.self_recall(text) if problem.family == "gen-needle" else None,
+        "recall": _recall(problem, text),
         "reads": t.reads,
         "right": t.right,
         "bucket_reads": t.bucket_reads,
@@ -323,3 +323,15 @@ def write_tables(results: Sequence[CellResult], out_dir: Path) -> None:
         writer.writeheader()
         writer.writerows(csv_rows)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _recall(problem: Problem, text: str) -> bool | None:
+    """Whether the answer recalls the long-range value the family asks for: gen-needle's
+    key (self-recall), reason's first result (answer recall); ``None`` for the others."""
+    from kvllm.eval import lookup
+
+    if problem.family == "gen-needle":
+        return lookup.self_recall(text)
+    if problem.family == "reason":
+        return lookup.answer_recall(problem.prompt, text)
+    return None

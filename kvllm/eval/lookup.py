@@ -10,7 +10,12 @@ model's arithmetic:
   the value came from (the prompt's constants, or a line the model generated) and by how
   many tokens back it was written (:data:`BUCKETS`, in multiples of the window W);
 - **self-recall** (gen-needle): the final answer equals the value the model wrote for
-  ``key`` in its first line.
+  ``key`` in its first line; **answer recall** (reason): the final answer equals the
+  value the model last wrote for the asked variable, about 2,000 tokens back.
+
+``reason``'s check lines (``check ce = bo + ku = bo41 + ku13 = ce54``) re-read three
+values, the result included, and write none; its restatements (``so ce is 54.``) and
+hedges are well-formed lines that read and write nothing.
 
 A read whose name the model never wrote (and the prompt never defined) has no source and
 is not counted; neither are lines out of format.
@@ -23,10 +28,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvllm.eval.tasks import END_THINK, extract_answer
+from kvllm.eval.tasks import END_THINK, HEDGES, extract_answer
 
 # `ce = bo + ku = bo41 + ku13 = ce54`: the statement, its two reads, its result.
-_LINE = re.compile(r"^ ?(\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d{2}) ([+-]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
+STATEMENT = re.compile(r"^ ?(\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d{2}) ([+-]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
+_CHECK = re.compile(r"^ ?check (\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d{2}) ([+-]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
+_RESTATE = re.compile(r"^ ?so [a-z]+ is \d{2}\.$")
+_HEDGE = re.compile("^ ?(" + "|".join(re.escape(h) for h in HEDGES) + ")$")
+_HEADER = re.compile(r"report (\w+)\.")
 _CONSTANT = re.compile(r"^ ?([a-z]+)(\d{2})$")
 _KEY = re.compile(r"^ ?key = \d{2} [+-] \d{2} = key(\d{2})$")
 #: Distance buckets, as (label, low, high) in multiples of W: [low * W, high * W).
@@ -134,22 +143,27 @@ def reads(
     }
     written: dict[str, tuple[int, int | None]] = {}  # name -> (value, position of its digits)
     out: list[Read] = []
+
+    def grade(name: str, value: int, start: int) -> None:
+        if name in written:
+            (expected, src), source = written[name], "generated"
+        elif name in constants:
+            (expected, src), source = constants[name], "prompt"
+        else:
+            return
+        here = position(start)
+        distance = here - src if here is not None and src is not None else None
+        out.append(Read(name, start, value == expected, expected, source, distance))
+
     offset = 0
     for line in completion.split(END_THINK)[0].split("\n"):
-        if m := _LINE.match(line):
+        if m := STATEMENT.match(line):
             for name_group, digits_group in ((5, 6), (8, 9)):
-                name, value = m.group(name_group), int(m.group(digits_group))
-                start = offset + m.start(digits_group)
-                if name in written:
-                    (expected, src), source = written[name], "generated"
-                elif name in constants:
-                    (expected, src), source = constants[name], "prompt"
-                else:
-                    continue
-                here = position(start)
-                distance = here - src if here is not None and src is not None else None
-                out.append(Read(name, start, value == expected, expected, source, distance))
+                grade(m.group(name_group), int(m.group(digits_group)), offset + m.start(digits_group))
             written[m.group(10)] = (int(m.group(11)), position(offset + m.start(11)))
+        elif c := _CHECK.match(line):
+            for name_group, digits_group in ((5, 6), (8, 9), (10, 11)):
+                grade(c.group(name_group), int(c.group(digits_group)), offset + c.start(digits_group))
         elif k := _KEY.match(line):
             written["key"] = (int(k.group(1)), position(offset + k.start(1)))
         offset += len(line) + 1
@@ -157,10 +171,11 @@ def reads(
 
 
 def malformed_lines(completion: str) -> int:
-    """Chain-of-thought lines that are neither a statement nor gen-needle's key line."""
+    """Chain-of-thought lines of no family's format (statements, key, check, restatement, hedge lines)."""
     body = completion.split(END_THINK)[0]
     lines = [line for line in body.split("\n") if line.strip()]
-    return sum(1 for line in lines if not (_LINE.match(line) or _KEY.match(line)))
+    well_formed = (STATEMENT, _KEY, _CHECK, _RESTATE, _HEDGE)
+    return sum(1 for line in lines if not any(pattern.match(line) for pattern in well_formed))
 
 
 def self_recall(completion: str) -> bool:
@@ -171,6 +186,27 @@ def self_recall(completion: str) -> bool:
         if line.strip():
             return False  # the first line is not the key line
     return False
+
+
+def answer_source(prompt: str, completion: str) -> int | None:
+    """Character offset of the digits the model last wrote for the variable the prompt's
+    first line asks for (``report NAME.``), or ``None`` if it wrote none."""
+    header = _HEADER.search(prompt.split("\n", 1)[0])
+    if header is None:
+        raise ValueError("the prompt's first line names no variable to report ('... report NAME.')")
+    found, offset = None, 0
+    for line in completion.split(END_THINK)[0].split("\n"):
+        if (m := STATEMENT.match(line)) and m.group(10) == header.group(1):
+            found = offset + m.start(11)
+        offset += len(line) + 1
+    return found
+
+
+def answer_recall(prompt: str, completion: str) -> bool:
+    """reason: the final answer equals the value the model last wrote for the asked
+    variable, whatever its arithmetic; ``False`` if it wrote none."""
+    source = answer_source(prompt, completion)
+    return source is not None and extract_answer(completion) == completion[source : source + 2]
 
 
 def tally(

@@ -16,6 +16,14 @@ sets are disjoint by seed (:data:`TEST_SEEDS` vs :data:`TRAIN_SEEDS`). Families:
 ``prompt-needle``
     A line ``code85`` sits in the prompt at a chosen depth among the program's
     lines; after the long trace, the answer recalls ``code`` from the prompt.
+``reason``
+    The trace's program and line format, shaped like a reasoning model's chain of
+    thought (:class:`ReasonStyle`, docs/accuracy.md "The reason family"): operands come
+    mostly from the last few steps, some from a few re-read anchors, some from the
+    prompt's data and some from anywhere; lines restate results in words, hedge
+    (``wait, let me double-check that.``) and re-check earlier results (``check ce = bo
+    + ku = bo41 + ku13 = ce54``); chains run for about 2,000 tokens; the answer recalls
+    the first step's result, written near the chain's start.
 
 The format is regular on purpose, so that a model of a few million parameters trained
 for minutes on a CPU can learn it (``docs/training-attempts.md``): variables are named
@@ -35,7 +43,10 @@ import random
 import re
 from dataclasses import dataclass
 
-FAMILIES: tuple[str, ...] = ("trace", "gen-needle", "prompt-needle")
+FAMILIES: tuple[str, ...] = ("trace", "gen-needle", "prompt-needle", "reason")
+# The trace-format families, which the shipped model was trained on: the commands'
+# defaults. ``reason`` is asked for by name: its chains are three times as long.
+TRACE_FAMILIES: tuple[str, ...] = ("trace", "gen-needle", "prompt-needle")
 TEST_SEEDS = range(0, 1_000_000)
 TRAIN_SEEDS = range(1_000_000, 2**31)
 THINK, END_THINK = "<think>", "</think>"
@@ -104,11 +115,139 @@ def _program(rng: random.Random, d: Difficulty) -> tuple[list[str], list[str], s
     return prompt, cot, names[-1], values
 
 
-def make_task(family: str, seed: int, difficulty: Difficulty | None = None) -> Task:
-    """The task of ``family`` for ``seed`` (deterministic)."""
+@dataclass(frozen=True)
+class ReasonStyle:
+    """The ``reason`` family's knobs, fixed before any method was scored on it.
+
+    Each default and why it resembles real reasoning traces is in docs/accuracy.md ("The
+    reason family"); they must not move to change a score. An operand is drawn from one
+    of four pools, with these probabilities (while no step has a result yet, ``recent``
+    falls through to the anchors, and ``far`` to the prompt's other constants):
+
+    Attributes
+    ----------
+    recent, recent_steps
+        Share of operands read from the results of the last ``recent_steps`` steps
+        (locality: most reads are of what was just written).
+    anchor, prompt_anchors, anchor_every, live_anchors
+        Share read from the anchors: ``prompt_anchors`` of the prompt's constants (the
+        question's data), re-read over the whole chain, and the last ``live_anchors``
+        milestones, every ``anchor_every``-th step's result (key intermediate results:
+        re-read for a stretch, then superseded by newer ones).
+    prompt
+        Share read from the prompt's other constants.
+    far
+        The rest, ``1 - recent - anchor - prompt``: uniform over every earlier value
+        (the heavy tail).
+    restate
+        Chance that a step restates its result in words (``so ce is 54.``).
+    hedge
+        Chance that a step is followed by a hedging line from :data:`HEDGES`.
+    check_every, check_lines
+        Every ``check_every`` steps a check pass re-derives ``check_lines`` earlier
+        steps, chosen uniformly, re-reading their operands and results.
+    """
+
+    recent: float = 0.55
+    recent_steps: int = 4
+    anchor: float = 0.2
+    prompt_anchors: int = 2
+    anchor_every: int = 12
+    live_anchors: int = 3
+    prompt: float = 0.12
+    restate: float = 0.25
+    hedge: float = 0.4
+    check_every: int = 20
+    check_lines: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("recent", "anchor", "prompt", "restate", "hedge"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"ReasonStyle.{name}={value} is invalid: must be in [0, 1]")
+        if self.recent + self.anchor + self.prompt > 1.0:
+            raise ValueError(
+                f"ReasonStyle.recent + anchor + prompt = {self.recent + self.anchor + self.prompt} is invalid: "
+                "must be <= 1 (the rest is far)"
+            )
+        for name in ("recent_steps", "prompt_anchors", "anchor_every", "live_anchors", "check_every", "check_lines"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ReasonStyle.{name}={getattr(self, name)} is invalid: must be >= 1")
+
+    @property
+    def far(self) -> float:
+        return 1.0 - self.recent - self.anchor - self.prompt
+
+
+REASON = ReasonStyle()
+#: ``reason``'s default difficulty: 6 constants and 84 steps, about 2,200 chain-of-thought tokens.
+REASON_DIFFICULTY = Difficulty(constants=6, steps=84)
+#: Hedging lines: no value in them, as "Wait, let me double-check." carries none.
+HEDGES = (
+    "wait, let me double-check that.",
+    "hmm, that looks right.",
+    "ok, on to the next one.",
+    "let me keep going.",
+    "so far so good.",
+)
+RESTATE, CHECK = "so", "check"
+
+
+def _reason(rng: random.Random, d: Difficulty, style: ReasonStyle) -> tuple[list[str], list[str], str, int]:
+    """Prompt lines, chain-of-thought lines, the asked variable and its value."""
+    start = rng.randrange(len(NAMES))
+    names = [NAMES[(start + i) % len(NAMES)] for i in range(d.constants + d.steps)]
+    constants, steps = names[: d.constants], names[d.constants :]
+    values = {name: rng.randrange(100) for name in constants}
+    fixed = rng.sample(constants, min(style.prompt_anchors, len(constants)))
+    milestones: list[str] = []
+    others = [c for c in constants if c not in fixed] or constants
+    prompt = [f"{name}{values[name]:02d}" for name in constants]
+    cot: list[str] = []
+    done: list[tuple[str, str, str, str]] = []  # (name, x, op, y) of every step so far
+
+    def operand() -> str:
+        draw = rng.random()
+        written = [step[0] for step in done]
+        if draw < style.recent and written:
+            return rng.choice(written[-style.recent_steps :])
+        if draw < style.recent + style.anchor:
+            return rng.choice(fixed + milestones[-style.live_anchors :])
+        if draw < style.recent + style.anchor + style.prompt or not written:
+            return rng.choice(others)
+        return rng.choice(constants + written)
+
+    def line(name: str, x: str, op: str, y: str) -> str:
+        return f"{name} = {x} {op} {y} = {x}{values[x]:02d} {op} {y}{values[y]:02d} = {name}{values[name]:02d}"
+
+    for i, name in enumerate(steps, start=1):
+        x, op, y = operand(), rng.choice("+-"), operand()
+        values[name] = (values[x] + values[y]) % 100 if op == "+" else (values[x] - values[y]) % 100
+        prompt.append(f"{name} = {x} {op} {y}")
+        cot.append(line(name, x, op, y))
+        done.append((name, x, op, y))
+        if i % style.anchor_every == 0:
+            milestones.append(name)
+        if rng.random() < style.restate:
+            cot.append(f"{RESTATE} {name} is {values[name]:02d}.")
+        if rng.random() < style.hedge:
+            cot.append(rng.choice(HEDGES))
+        if i % style.check_every == 0:
+            for step in rng.sample(done[:-1], min(style.check_lines, len(done) - 1)):
+                cot.append(f"{CHECK} {line(*step)}")
+    ask = steps[0]
+    return prompt, cot, ask, values[ask]
+
+
+def make_task(family: str, seed: int, difficulty: Difficulty | None = None, style: ReasonStyle = REASON) -> Task:
+    """The task of ``family`` for ``seed`` (deterministic); ``style`` shapes ``reason`` only."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is invalid: must be one of {', '.join(FAMILIES)}")
-    d = difficulty or Difficulty()
+    d = difficulty or (REASON_DIFFICULTY if family == "reason" else Difficulty())
+    if family == "reason":
+        rng = random.Random(f"{family}:{seed}:{d}:{style}")
+        prompt, cot, ask, answer = _reason(rng, d, style)
+        return _assemble(family, seed, prompt, cot, ask, answer)
     rng = random.Random(f"{family}:{seed}:{d}")
     prompt, cot, last, values = _program(rng, d)
     ask, answer = last, values[last]
@@ -120,6 +259,10 @@ def make_task(family: str, seed: int, difficulty: Difficulty | None = None) -> T
     elif family == "prompt-needle":
         ask, answer = "code", rng.randrange(100)
         prompt.insert(round(d.depth * len(prompt)), f"code{answer:02d}")
+    return _assemble(family, seed, prompt, cot, ask, answer)
+
+
+def _assemble(family: str, seed: int, prompt: list[str], cot: list[str], ask: str, answer: int) -> Task:
     # Every line starts with a space, so a name is the same token wherever it appears.
     lines = [f"{family}: evaluate and report {ask}.", *prompt, THINK, *cot, END_THINK, f"{ask}{answer:02d}"]
     text = "\n ".join(lines)

@@ -8,6 +8,7 @@ from kvllm.eval.lookup import (
     BUCKETS,
     LookupTally,
     Read,
+    answer_recall,
     bucket,
     char_to_token,
     forced_tally,
@@ -211,3 +212,36 @@ def test_buckets(distance: int, label: str) -> None:
     assert [b[0] for b in BUCKETS] == ["<W", "W-2W", "2W-4W", ">4W"]
     with pytest.raises(ValueError, match="distance=-1"):
         bucket(-1, 32)
+
+
+REASON_PROMPT = "reason: evaluate and report ce.\n bo41\n ku13\n ce = bo + ku\n da = ce + bo\n<think>"
+
+
+def test_reason_check_lines_re_read_three_values_and_write_none() -> None:
+    completion = (
+        "\n ce = bo + ku = bo41 + ku13 = ce54\n so ce is 54.\n hmm, that looks right."
+        "\n check ce = bo + ku = bo41 + ku12 = ce55"  # ku and ce misread; the check writes nothing
+        "\n da = ce + bo = ce54 + bo41 = da95\n</think>\n ce54"
+    )
+    got = reads(REASON_PROMPT, completion)
+    assert [(r.name, r.source, r.right) for r in got] == [
+        ("bo", "prompt", True),
+        ("ku", "prompt", True),
+        ("bo", "prompt", True),
+        ("ku", "prompt", False),
+        ("ce", "generated", False),
+        ("ce", "generated", True),  # still ce54: the check's ce55 is not a write
+        ("bo", "prompt", True),
+    ]
+    assert malformed_lines(completion) == 0
+    assert malformed_lines(completion.replace("so ce is 54.", "so ce is five.")) == 1
+    assert malformed_lines(completion.replace("hmm, that looks right.", "hmm, that looks wrong.")) == 1
+
+
+def test_answer_recall_reads_the_last_value_written_for_the_asked_name() -> None:
+    right = "\n ce = bo + ku = bo41 + ku13 = ce99\n</think>\n ce99"  # wrong arithmetic, right recall
+    assert answer_recall(REASON_PROMPT, right)
+    assert not answer_recall(REASON_PROMPT, right.replace("</think>\n ce99", "</think>\n ce54"))
+    assert not answer_recall(REASON_PROMPT, "\n da = ce + bo = ce54 + bo41 = da95\n</think>\n ce54")  # no ce line
+    with pytest.raises(ValueError, match="report NAME"):
+        answer_recall("no header\n<think>", right)

@@ -4,7 +4,21 @@ import re
 
 import pytest
 
-from kvllm.eval.tasks import END_THINK, FAMILIES, NAMES, THINK, Difficulty, extract_answer, grade, make_task
+from kvllm.eval import lookup
+from kvllm.eval.tasks import (
+    END_THINK,
+    FAMILIES,
+    HEDGES,
+    NAMES,
+    REASON,
+    REASON_DIFFICULTY,
+    THINK,
+    Difficulty,
+    ReasonStyle,
+    extract_answer,
+    grade,
+    make_task,
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -58,6 +72,8 @@ def test_format_is_regular(family: str) -> None:
     start = NAMES.index(names[0])
     assert names == [NAMES[(start + i) % len(NAMES)] for i in range(len(names))]
     assert all(len(n) == 2 for n in re.findall(r"\d+", task.text.split("\n", 1)[1]))
+    if family == "reason":  # its lines are of several kinds: test_reason_lines
+        return
     trace = [line for line in task.target.split(END_THINK)[0].splitlines() if line.strip()]
     trace = [line for line in trace if not line.strip().startswith("key")]
     assert len({len(line) for line in trace}) == 1
@@ -90,3 +106,121 @@ def test_bad_difficulty() -> None:
         Difficulty(depth=1.5)
     with pytest.raises(ValueError, match="family='nope'"):
         make_task("nope", 1)
+
+
+STATEMENT = re.compile(r"(\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d+) [+-] ([a-z]+)(\d+) = ([a-z]+)(\d+)")
+
+
+def _reason_lines(task) -> tuple[dict[str, int], list[tuple[str, re.Match | None, str]]]:
+    """The prompt's constants, and each chain-of-thought line as (kind, statement match, text)."""
+    constants = {m[1]: int(m[2]) for line in task.prompt.splitlines() if (m := re.fullmatch(r" ([a-z]+)(\d+)", line))}
+    out = []
+    for line in task.target.split(END_THINK)[0].strip().splitlines():
+        line = line.strip()
+        if line.startswith("check "):
+            out.append(("check", STATEMENT.fullmatch(line.removeprefix("check ")), line))
+        elif (m := STATEMENT.fullmatch(line)) is not None:
+            out.append(("step", m, line))
+        else:
+            out.append(("restate" if re.fullmatch(r"so [a-z]+ is \d{2}\.", line) else "hedge", None, line))
+    return constants, out
+
+
+def test_reason_lines() -> None:
+    """Steps follow the prompt's program with the latest values; restatements repeat the
+    step's result; checks re-derive an earlier step exactly; hedges come from HEDGES; the
+    answer is the first step's result, and the grader finds every read right."""
+    task = make_task("reason", 11)
+    values, lines = _reason_lines(task)
+    program = [line.strip() for line in task.prompt.splitlines() if " = " in line]
+    steps, seen = [], {}
+    for i, (kind, m, text) in enumerate(lines):
+        if kind == "step":
+            name, x, op, y, x2, vx, y2, vy, name2, result = m.groups()
+            assert f"{name} = {x} {op} {y}" == program[len(steps)]
+            assert (x2, y2, name2) == (x, y, name) and (int(vx), int(vy)) == (values[x], values[y])
+            values[name] = (values[x] + values[y]) % 100 if op == "+" else (values[x] - values[y]) % 100
+            assert int(result) == values[name]
+            steps.append(name)
+            seen[name] = text
+        elif kind == "check":
+            assert m is not None and seen[m[1]] == text.removeprefix("check "), text
+        elif kind == "restate":
+            assert lines[i - 1][0] == "step" and text == f"so {steps[-1]} is {values[steps[-1]]:02d}."
+        else:
+            assert text in HEDGES
+    assert len(steps) == REASON_DIFFICULTY.steps and task.answer == f"{values[steps[0]]:02d}"
+    assert task.prompt.splitlines()[0] == f"reason: evaluate and report {steps[0]}."
+    got = lookup.reads(task.prompt, task.target)
+    assert got and all(r.right for r in got) and lookup.malformed_lines(task.target) == 0
+    assert lookup.answer_recall(task.prompt, task.target)
+
+
+def _operands(style: ReasonStyle, seed: int = 5) -> tuple[list[str], list[list[str]], list[str]]:
+    """The constants, each step's two operands, and the step names, of one task."""
+    task = make_task("reason", seed, Difficulty(constants=8, steps=60), style)
+    constants, lines = _reason_lines(task)
+    steps = [m for kind, m, _ in lines if kind == "step"]
+    return list(constants), [[m[2], m[4]] for m in steps], [m[1] for m in steps]
+
+
+def test_reason_operands_come_from_their_pools() -> None:
+    constants, operands, names = _operands(ReasonStyle(recent=1.0, anchor=0.0, prompt=0.0))
+    for i, pair in enumerate(operands[1:], start=1):  # step 0 has no earlier result yet
+        assert set(pair) <= set(names[max(0, i - REASON.recent_steps) : i]), (i, pair)
+    style = ReasonStyle(recent=0.0, anchor=1.0, prompt=0.0, anchor_every=5, live_anchors=2)
+    constants, operands, names = _operands(style)
+    fixed = {x for pair in operands[:5] for x in pair}  # no milestone before step 5
+    assert fixed <= set(constants) and len(fixed) <= style.prompt_anchors
+    for i, pair in enumerate(operands):
+        live = names[4:i:5][-2:]  # the last two milestones written before step i
+        assert set(pair) <= fixed | set(live), (i, pair)
+    assert {x for pair in operands for x in pair} - fixed  # milestones are read too
+    constants, operands, _ = _operands(ReasonStyle(recent=0.0, anchor=0.0, prompt=1.0))
+    assert {x for pair in operands for x in pair} <= set(constants)
+
+
+def test_reason_locality_moves_reuse_distances() -> None:
+    """recent=1 reads nearer than far=1 (everything earlier), by a wide margin."""
+    near = _distances(ReasonStyle(recent=1.0, anchor=0.0, prompt=0.0, check_every=1000))
+    far = _distances(ReasonStyle(recent=0.0, anchor=0.0, prompt=0.0, check_every=1000))
+    assert sum(far) / len(far) > 4 * sum(near) / len(near)
+
+
+def _distances(style: ReasonStyle) -> list[int]:
+    """Character distances from each generated read back to the write it reads."""
+    task = make_task("reason", 2, Difficulty(constants=8, steps=60), style)
+    text = task.target
+    writes: dict[str, int] = {}
+    out = []
+    offset = 0
+    for line in text.split(END_THINK)[0].split("\n"):
+        if m := STATEMENT.search(line):
+            for name, digits in ((5, 6), (7, 8)):
+                if m[name] in writes:
+                    out.append(offset + m.start(digits) - writes[m[name]])
+            writes[m[1]] = offset + m.start(10)
+        offset += len(line) + 1
+    return out
+
+
+def test_reason_redundancy_knobs() -> None:
+    d = Difficulty(constants=8, steps=60)
+
+    def kinds(style: ReasonStyle) -> list[str]:
+        return [kind for kind, _, _ in _reason_lines(make_task("reason", 9, d, style))[1]]
+
+    none = kinds(ReasonStyle(restate=0.0, hedge=0.0, check_every=1000))
+    assert none == ["step"] * 60
+    every = kinds(ReasonStyle(restate=1.0, hedge=1.0, check_every=5, check_lines=2))
+    assert every.count("restate") == every.count("hedge") == 60
+    assert every.count("check") == 2 * (60 // 5)
+
+
+def test_bad_reason_style() -> None:
+    with pytest.raises(ValueError, match=r"ReasonStyle\.hedge=1\.5 is invalid: must be in \[0, 1\]"):
+        ReasonStyle(hedge=1.5)
+    with pytest.raises(ValueError, match=r"recent \+ anchor \+ prompt = 1\.2"):
+        ReasonStyle(recent=0.6, anchor=0.4, prompt=0.2)
+    with pytest.raises(ValueError, match=r"ReasonStyle\.check_every=0"):
+        ReasonStyle(check_every=0)
