@@ -3,5 +3,6 @@
 from kvllm.generation import Generation, SeqStats
 from kvllm.hf.cache import CompressingCache
 from kvllm.hf.generate import generate
+from kvllm.hf.press import Press, compress
 
-__all__ = ["CompressingCache", "Generation", "SeqStats", "generate"]
+__all__ = ["CompressingCache", "Generation", "Press", "SeqStats", "compress", "generate"]
