@@ -65,8 +65,14 @@ def build_tokenizer(vocab_size: int, seed: int, families: tuple[str, ...] = TRAC
     return fast
 
 
-def model_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, **ids: int) -> Qwen3Config:
-    """Qwen3 with GQA, tied embeddings and a 4x MLP; ``ids`` are the special token ids."""
+def model_config(
+    vocab_size: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int | None = None, **ids: int
+) -> Qwen3Config:
+    """Qwen3 with GQA, tied embeddings and a 4x MLP; ``ids`` are the special token ids.
+
+    ``head_dim`` defaults to ``hidden // heads``; Qwen3 lets it differ (heads x head_dim
+    query width over a narrower residual), which keeps a 64-wide head in a small model.
+    """
     return Qwen3Config(
         vocab_size=vocab_size,
         hidden_size=hidden,
@@ -74,7 +80,7 @@ def model_config(vocab_size: int, hidden: int, layers: int, heads: int, kv_heads
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
+        head_dim=head_dim or hidden // heads,
         max_position_embeddings=8192,
         rope_theta=10000.0,
         tie_word_embeddings=True,
@@ -279,6 +285,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=SHAPE["layers"])
     p.add_argument("--heads", type=int, default=SHAPE["heads"])
     p.add_argument("--kv-heads", type=int, default=SHAPE["kv_heads"])
+    p.add_argument("--head-dim", type=int, default=None, help="per-head width; default hidden // heads")
     p.add_argument("--vocab", type=int, default=512, help="BPE vocabulary cap (the corpus saturates near 420)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.05)
@@ -335,6 +342,7 @@ def main() -> None:
         args.layers,
         args.heads,
         args.kv_heads,
+        args.head_dim,
         pad_token_id=tok.pad_token_id,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.eos_token_id,
