@@ -59,9 +59,10 @@ def chain_stats(tokenizer, tasks: Sequence[Task]) -> ChainStats:
     stats = ChainStats()
     for task in tasks:
         text, owner = lookup.char_to_token(tokenizer, tokenizer(task.target)["input_ids"])
-        _, prompt_owner = lookup.char_to_token(tokenizer, tokenizer(task.prompt)["input_ids"])
-        n_prompt = prompt_owner[-1] + 1
-        reads = lookup.reads(task.prompt, text, owner, prompt_owner)
+        prompt_ids = tokenizer(task.prompt)["input_ids"]
+        _, prompt_owner = lookup.char_to_token(tokenizer, prompt_ids)
+        n_prompt = len(prompt_ids)
+        reads = lookup.reads(task.prompt, text, owner, prompt_owner, n_prompt)
         # The token of each generated read's source digits: the writes that are needed.
         sources = {n_prompt + owner[r.start] - r.distance for r in reads if r.source == "generated"}
         writes = _writes(text)

@@ -162,8 +162,9 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
         t = lookup.forced_tally(tokenizer, problem.prompt, ids, predictions[row], window)
     else:
         _, owner = lookup.char_to_token(tokenizer, ids)
-        _, prompt_owner = lookup.char_to_token(tokenizer, tokenizer(problem.prompt)["input_ids"])
-        t = lookup.tally(problem.prompt, text, window, owner, prompt_owner)
+        prompt_ids = tokenizer(problem.prompt)["input_ids"]
+        _, prompt_owner = lookup.char_to_token(tokenizer, prompt_ids)
+        t = lookup.tally(problem.prompt, text, window, owner, prompt_owner, len(prompt_ids))
     record = {
         "uid": problem.uid,
         "correct": problem.grade(text),

@@ -120,6 +120,7 @@ def reads(
     completion: str,
     token_of: Sequence[int] | None = None,
     prompt_token_of: Sequence[int] | None = None,
+    n_prompt: int | None = None,
 ) -> list[Read]:
     """Every operand read of ``completion``'s chain of thought, graded.
 
@@ -130,8 +131,12 @@ def reads(
     token_of, prompt_token_of
         Per character of the completion and of the prompt, the index of its token
         (:func:`char_to_token`); with both, each read gets its distance in tokens.
+    n_prompt
+        The prompt's length in tokens. Give it: read off ``prompt_token_of`` it misses
+        trailing tokens that decode to no text (a special ``<think>``, say).
     """
-    n_prompt = (prompt_token_of[-1] + 1) if prompt_token_of else 0
+    if n_prompt is None:
+        n_prompt = (prompt_token_of[-1] + 1) if prompt_token_of else 0
     positioned = token_of is not None and prompt_token_of is not None
 
     def position(start: int) -> int | None:
@@ -215,10 +220,11 @@ def tally(
     window: int,
     token_of: Sequence[int] | None = None,
     prompt_token_of: Sequence[int] | None = None,
+    n_prompt: int | None = None,
 ) -> LookupTally:
     """A :class:`LookupTally` of one completion."""
     t = LookupTally()
-    for read in reads(prompt, completion, token_of, prompt_token_of):
+    for read in reads(prompt, completion, token_of, prompt_token_of, n_prompt):
         t.add(read, window)
     t.malformed_lines = malformed_lines(completion)
     return t
@@ -247,9 +253,10 @@ def forced_tally(tokenizer, prompt: str, forced: Sequence[int], predictions: Seq
     """Teacher-forced lookup fidelity: a read of the forced completion is right when the
     model's argmax at its digit tokens spells the value last written for its name."""
     text, owner = char_to_token(tokenizer, forced)
-    _, prompt_owner = char_to_token(tokenizer, tokenizer(prompt)["input_ids"])
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    _, prompt_owner = char_to_token(tokenizer, prompt_ids)
     t = LookupTally()
-    for read in reads(prompt, text, owner, prompt_owner):
+    for read in reads(prompt, text, owner, prompt_owner, len(prompt_ids)):
         digits = sorted({owner[read.start], owner[read.start + 1]})
         spelled = tokenizer.decode([predictions[i] for i in digits], skip_special_tokens=True).strip()
         t.add(dataclasses.replace(read, right=spelled == f"{read.expected:02d}"), window)

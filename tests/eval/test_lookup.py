@@ -245,3 +245,20 @@ def test_answer_recall_reads_the_last_value_written_for_the_asked_name() -> None
     assert not answer_recall(REASON_PROMPT, "\n da = ce + bo = ce54 + bo41 = da95\n</think>\n ce54")  # no ce line
     with pytest.raises(ValueError, match="report NAME"):
         answer_recall("no header\n<think>", right)
+
+
+def test_prompt_distances_count_a_trailing_special_token() -> None:
+    """A prompt ending in a special token that decodes to nothing (the test tokenizer's
+    <think>) is one token longer than its text shows: given the prompt's length, prompt
+    reads reach back one token further than the text-derived count."""
+    from kvllm.testing import train_tokenizer
+
+    tok = train_tokenizer()
+    prompt_ids = tok(PROMPT)["input_ids"]
+    _, prompt_owner = char_to_token(tok, prompt_ids)
+    assert prompt_owner[-1] + 1 == len(prompt_ids) - 1  # <think> decodes to no character
+    completion = "\n ce = bo + ku = bo41 + ku13 = ce54\n</think>"
+    text, owner = char_to_token(tok, tok(completion, add_special_tokens=False)["input_ids"])
+    short = reads(PROMPT, text, owner, prompt_owner)
+    exact = reads(PROMPT, text, owner, prompt_owner, len(prompt_ids))
+    assert [r.distance - s.distance for r, s in zip(exact, short, strict=True)] == [1, 1]
