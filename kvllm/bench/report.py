@@ -101,7 +101,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     }
                 )
     averages: dict[str, dict[str, float]] = defaultdict(dict)
-    for system in {c["system"] for c in cells}:
+    for system in dict.fromkeys(c["system"] for c in cells):  # in SYSTEMS order: stable files
         for pool in pools:
             ratios = [c["ratio"] for c in cells if (c["system"], c["pool_blocks"]) == (system, pool) and c["ratio"]]
             if ratios:
@@ -226,6 +226,7 @@ def plot_throughput(summary: dict[str, Any], path: Path, title: str = "") -> Pat
                 [max(0.0, y - c["tok_s_min"]) for y, c in zip(ys, mine, strict=True)],
                 [max(0.0, c["tok_s_max"] - y) for y, c in zip(ys, mine, strict=True)],
             ]
+            # Bold: Kara as `kvllm serve` runs it.
             style = {"linewidth": 2.5, "color": "black"} if system == "kara" else {"linewidth": 1.2}
             ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=3, label=system, **style)
         _concurrency_panel(ax, summary, pool, "output tokens/s", 8)

@@ -28,11 +28,12 @@ SYSTEMS: tuple[str, ...] = (
     "vanilla-default",  # vLLM as a user starts it: prefix caching on
     "vanilla",  # vLLM constrained as KvLLM is: prefix caching off
     "plugin-off",  # KvLLM's scheduler and runner, no compression
-    "kara",  # Kara, periodic policy, projected admission
-    "kara-vllm-admit",  # Kara, periodic policy, vLLM's admission (the ablation)
-    "snapkv-periodic",  # SnapKV's scoring under Kara's policy: policy vs scoring
-    "snapkv-threshold",  # SnapKV's scoring under the threshold policy
+    "kara",  # Kara, periodic policy, vLLM's admission rule: what `kvllm serve` runs by default
+    "kara-projected",  # Kara, periodic policy, projected admission (`kvllm serve --kv-admission projected`)
+    "snapkv-periodic",  # SnapKV's scoring under Kara's policy, projected admission: policy vs scoring
+    "snapkv-threshold",  # SnapKV's scoring under the threshold policy, projected admission
 )
+# Until #24, `kara` named projected admission and `kara-vllm-admit` vLLM's rule.
 UNCOMPRESSED: tuple[str, ...] = ("vanilla-default", "vanilla", "plugin-off")
 VANILLA: tuple[str, ...] = ("vanilla-default", "vanilla")  # vLLM without the plugin
 # Room for the prompts (137-155 tokens at prompt_steps=8 with the shipped tokenizer).
@@ -154,8 +155,10 @@ def system_compression(system: str, retention: float, base: CompressionConfig) -
     if system in UNCOMPRESSED:
         return {}
     method, _, policy = system.partition("-")
-    admission = "vllm" if policy == "vllm-admit" else "projected"
-    policy = "periodic" if policy in ("", "vllm-admit") else policy
+    # `kara` takes vLLM's rule, as `kvllm serve` does by default; `kara-projected` and
+    # the SnapKV systems take projected admission (as the SnapKV rows were measured).
+    admission = "vllm" if system == "kara" else "projected"
+    policy = "periodic" if policy in ("", "projected") else policy
     return asdict(base.replace(method=method, retention=retention, policy=policy, admission=admission))
 
 

@@ -53,7 +53,13 @@ def bench_selection(
 def bench_throughput(
     model: Model = None,
     shape: Shape = None,
-    system: Annotated[list[str], typer.Option(help="Systems (repeatable or commas).")] = ALL_SYSTEMS,
+    system: Annotated[
+        list[str],
+        typer.Option(
+            help="Systems (repeatable or commas). kara: Kara as `kvllm serve` runs it (vLLM's admission rule); "
+            "kara-projected: with projected admission, as the snapkv-* systems run; vanilla-default: the baseline."
+        ),
+    ] = ALL_SYSTEMS,
     concurrency: Annotated[list[str], typer.Option(help="Requests in flight (repeatable or commas).")] = CONCURRENCY,
     pool: Annotated[
         list[str],

@@ -10,6 +10,7 @@ import pytest
 from kvllm.bench import sweep as sweep_mod
 from kvllm.bench.sweep import Sweep, run_sweep
 from kvllm.bench.throughput import Engine, Spec, Workload
+from kvllm.config import CompressionConfig
 
 SHORT = Workload(output_tokens=512)
 
@@ -22,13 +23,15 @@ def test_systems_alternate_and_rotate_between_repeats(tmp_path: Path) -> None:
     assert order == ["vanilla", "kara", "plugin-off", "kara", "plugin-off", "vanilla", "plugin-off", "vanilla", "kara"]
     kara = next(spec for spec in s.specs() if spec.system == "kara")
     assert kara.config() is not None and kara.config().policy == "periodic" and kara.config().retention == 0.2
-    systems = ("snapkv-threshold", "snapkv-periodic", "kara-vllm-admit")
-    snap, periodic, greedy = (
+    systems = ("snapkv-threshold", "snapkv-periodic", "kara-projected")
+    snap, periodic, projected = (
         spec.config() for spec in Sweep(model="m", out=tmp_path, systems=systems, prompt_tokens=150).specs()[:3]
     )
-    assert (snap.method, snap.policy) == ("snapkv", "threshold")
+    assert (snap.method, snap.policy, snap.admission) == ("snapkv", "threshold", "projected")
     assert (periodic.method, periodic.policy, periodic.admission) == ("snapkv", "periodic", "projected")
-    assert (greedy.method, greedy.policy, greedy.admission) == ("kara", "periodic", "vllm")
+    assert (projected.method, projected.policy, projected.admission) == ("kara", "periodic", "projected")
+    # `kara` is what `kvllm serve` runs by default: vLLM's admission rule.
+    assert kara.config().admission == "vllm" == CompressionConfig().admission
     assert next(spec for spec in s.specs() if spec.system == "vanilla").config() is None
     # What crosses to the bench process comes back as the same spec.
     assert all(Spec.from_dict(json.loads(json.dumps(asdict(spec)))) == spec for spec in s.specs())
@@ -101,7 +104,6 @@ def test_finished_groups_are_skipped_and_partial_ones_rerun(tmp_path: Path, monk
 
 def test_snapkv_threshold_budget_matches_karas_footprint() -> None:
     from kvllm.bench.throughput import matched_threshold_budget
-    from kvllm.config import CompressionConfig
     from kvllm.policy import physical_growth
 
     kara = CompressionConfig()
