@@ -18,7 +18,9 @@ app.add_typer(bench_app, name="bench")
 app.command()(generate)
 app.command("eval")(evaluate)
 # Unknown flags pass through to vLLM.
-app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve)
+app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, options_metavar="[MODEL] [OPTIONS]"
+)(serve)
 bench_app.command("selection")(bench_selection)
 bench_app.command("throughput")(bench_throughput)
 bench_app.command("serve")(bench_serve)
