@@ -126,9 +126,9 @@ def evaluate(
 
 def family_difficulty(family: str, constants: int | None, steps: int | None, depth: float) -> Any:
     """The flags' difficulty for ``family``; a knob not given is the family's default."""
-    from kvllm.eval.tasks import REASON_DIFFICULTY, Difficulty
+    from kvllm.eval.tasks import Difficulty, default_difficulty
 
-    default = REASON_DIFFICULTY if family == "reason" else Difficulty()
+    default = default_difficulty(family)
     return Difficulty(
         constants=default.constants if constants is None else constants,
         steps=default.steps if steps is None else steps,

@@ -108,11 +108,20 @@ def _program(rng: random.Random, d: Difficulty) -> tuple[list[str], list[str], s
         defined = list(values)
         op = rng.choice("+-")
         x, y = rng.choice(defined), rng.choice(defined)
-        vx, vy = values[x], values[y]
-        values[name] = (vx + vy) % 100 if op == "+" else (vx - vy) % 100
         prompt.append(f"{name} = {x} {op} {y}")
-        cot.append(f"{name} = {x} {op} {y} = {x}{vx:02d} {op} {y}{vy:02d} = {name}{values[name]:02d}")
+        cot.append(_evaluate(values, name, x, op, y))
     return prompt, cot, names[-1], values
+
+
+def _evaluate(values: dict[str, int], name: str, x: str, op: str, y: str) -> str:
+    """Evaluate ``name = x op y`` (mod 100) into ``values``; returns its chain-of-thought line."""
+    values[name] = (values[x] + values[y]) % 100 if op == "+" else (values[x] - values[y]) % 100
+    return _line(values, name, x, op, y)
+
+
+def _line(values: dict[str, int], name: str, x: str, op: str, y: str) -> str:
+    """``ce = bo + ku = bo41 + ku13 = ce54``: the statement with every value after its name."""
+    return f"{name} = {x} {op} {y} = {x}{values[x]:02d} {op} {y}{values[y]:02d} = {name}{values[name]:02d}"
 
 
 @dataclass(frozen=True)
@@ -217,14 +226,10 @@ def _reason(rng: random.Random, d: Difficulty, style: ReasonStyle) -> tuple[list
             return rng.choice(others)
         return rng.choice(constants + written)
 
-    def line(name: str, x: str, op: str, y: str) -> str:
-        return f"{name} = {x} {op} {y} = {x}{values[x]:02d} {op} {y}{values[y]:02d} = {name}{values[name]:02d}"
-
     for i, name in enumerate(steps, start=1):
         x, op, y = operand(), rng.choice("+-"), operand()
-        values[name] = (values[x] + values[y]) % 100 if op == "+" else (values[x] - values[y]) % 100
         prompt.append(f"{name} = {x} {op} {y}")
-        cot.append(line(name, x, op, y))
+        cot.append(_evaluate(values, name, x, op, y))
         done.append((name, x, op, y))
         if i % style.anchor_every == 0:
             milestones.append(name)
@@ -234,16 +239,22 @@ def _reason(rng: random.Random, d: Difficulty, style: ReasonStyle) -> tuple[list
             cot.append(rng.choice(HEDGES))
         if i % style.check_every == 0:
             for step in rng.sample(done[:-1], min(style.check_lines, len(done) - 1)):
-                cot.append(f"{CHECK} {line(*step)}")
+                cot.append(f"{CHECK} {_line(values, *step)}")
     ask = steps[0]
     return prompt, cot, ask, values[ask]
+
+
+def default_difficulty(family: str) -> Difficulty:
+    """The difficulty a family's tasks get when none is given: :data:`REASON_DIFFICULTY`
+    for ``reason``, :class:`Difficulty`'s defaults for the trace families."""
+    return REASON_DIFFICULTY if family == "reason" else Difficulty()
 
 
 def make_task(family: str, seed: int, difficulty: Difficulty | None = None, style: ReasonStyle = REASON) -> Task:
     """The task of ``family`` for ``seed`` (deterministic); ``style`` shapes ``reason`` only."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is invalid: must be one of {', '.join(FAMILIES)}")
-    d = difficulty or (REASON_DIFFICULTY if family == "reason" else Difficulty())
+    d = difficulty or default_difficulty(family)
     if family == "reason":
         rng = random.Random(f"{family}:{seed}:{d}:{style}")
         prompt, cot, ask, answer = _reason(rng, d, style)
