@@ -65,13 +65,12 @@ def chain_stats(tokenizer, tasks: Sequence[Task]) -> ChainStats:
         reads = lookup.reads(task.prompt, text, owner, prompt_owner, n_prompt)
         # The token of each generated read's source digits: the writes that are needed.
         sources = {n_prompt + owner[r.start] - r.distance for r in reads if r.source == "generated"}
-        writes = _writes(text)
         asked = lookup.answer_source(task.prompt, text)
         needed = {
             token
-            for name_start, digits_start, end in writes
+            for _, name_start, digits_start in lookup.results(text)
             if n_prompt + owner[digits_start] in sources or digits_start == asked
-            for token in range(owner[name_start], owner[end - 1] + 1)
+            for token in range(owner[name_start], owner[digits_start + 1] + 1)  # the name and two digits
         }
         body_start = text.index(THINK) + len(THINK) if THINK in text else 0
         body = text[body_start : text.index(END_THINK)]
@@ -82,14 +81,3 @@ def chain_stats(tokenizer, tasks: Sequence[Task]) -> ChainStats:
         for r in reads:
             stats.reads[r.source].append(r.distance)
     return stats
-
-
-def _writes(completion: str) -> list[tuple[int, int, int]]:
-    """(start of the name, start of the digits, end) of each statement's result."""
-    out = []
-    offset = 0
-    for line in completion.split(END_THINK)[0].split("\n"):
-        if m := lookup.STATEMENT.match(line):
-            out.append((offset + m.start(10), offset + m.start(11), offset + m.end(11)))
-        offset += len(line) + 1
-    return out

@@ -32,7 +32,8 @@ from kvllm.eval.tasks import END_THINK, HEDGES, extract_answer
 
 # `ce = bo + ku = bo41 + ku13 = ce54`: the statement, its two reads, its result.
 STATEMENT = re.compile(r"^ ?(\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d{2}) ([+-]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
-_CHECK = re.compile(r"^ ?check (\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d{2}) ([+-]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
+# `check ce = bo + ku = bo41 + ku13 = ce54`: a statement re-derived, with the same groups.
+_CHECK = re.compile(r"^ ?check " + STATEMENT.pattern.removeprefix("^ ?"))
 _RESTATE = re.compile(r"^ ?so [a-z]+ is \d{2}\.$")
 _HEDGE = re.compile("^ ?(" + "|".join(re.escape(h) for h in HEDGES) + ")$")
 _HEADER = re.compile(r"report (\w+)\.")
@@ -193,18 +194,25 @@ def self_recall(completion: str) -> bool:
     return False
 
 
+def results(completion: str) -> list[tuple[str, int, int]]:
+    """Each statement's result in the chain of thought: (name, character offset of the
+    name, character offset of its two digits)."""
+    out, offset = [], 0
+    for line in completion.split(END_THINK)[0].split("\n"):
+        if m := STATEMENT.match(line):
+            out.append((m.group(10), offset + m.start(10), offset + m.start(11)))
+        offset += len(line) + 1
+    return out
+
+
 def answer_source(prompt: str, completion: str) -> int | None:
     """Character offset of the digits the model last wrote for the variable the prompt's
     first line asks for (``report NAME.``), or ``None`` if it wrote none."""
     header = _HEADER.search(prompt.split("\n", 1)[0])
     if header is None:
         raise ValueError("the prompt's first line names no variable to report ('... report NAME.')")
-    found, offset = None, 0
-    for line in completion.split(END_THINK)[0].split("\n"):
-        if (m := STATEMENT.match(line)) and m.group(10) == header.group(1):
-            found = offset + m.start(11)
-        offset += len(line) + 1
-    return found
+    written = [digits for name, _, digits in results(completion) if name == header.group(1)]
+    return written[-1] if written else None
 
 
 def answer_recall(prompt: str, completion: str) -> bool:
