@@ -109,6 +109,21 @@ class CompressingCache(Cache):
         self.held_steps = 0
         self.compress_seconds = 0.0
 
+    @classmethod
+    def for_batch(
+        cls,
+        model_config: PretrainedConfig,
+        config: CompressionConfig | None,
+        input_ids: Tensor,
+        mask: Tensor,
+        method: Method | None = None,
+    ) -> CompressingCache:
+        """The cache of a left-padded batch: each row's padding and prompt ids read off its
+        ``input_ids`` and attention ``mask`` (``[B, n]``)."""
+        pad_lengths = (mask.shape[1] - mask.sum(1)).tolist()
+        prompt_ids = [row[pad:] for row, pad in zip(input_ids.tolist(), pad_lengths, strict=True)]
+        return cls(model_config, config, pad_lengths, prompt_ids, method)
+
     def begin_step(self, token_valid: Tensor) -> None:
         """Announce the next forward's tokens: ``[B, q]``, False for padding."""
         for layer in self.layers:

@@ -89,9 +89,7 @@ def generate(
     enc = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left")
     input_ids = enc["input_ids"].to(device)
     mask = enc["attention_mask"].to(device)
-    pad_lengths = (mask.shape[1] - mask.sum(1)).tolist()
-    prompt_ids = [row[pad:] for row, pad in zip(input_ids.tolist(), pad_lengths, strict=True)]
-    cache = CompressingCache(model.config, config, pad_lengths, prompt_ids, method)
+    cache = CompressingCache.for_batch(model.config, config, input_ids, mask, method)
     if forced is not None:
         if len(forced) != len(prompts) or not all(forced):
             raise ValueError("forced must hold one non-empty token list per prompt")

@@ -48,7 +48,6 @@ class Press:
 
     config: CompressionConfig | None
     cache: CompressingCache | None = None
-    calls: int = 0
 
     @property
     def stats(self) -> list[SeqStats]:
@@ -95,11 +94,8 @@ def compress(model: PreTrainedModel, config: CompressionConfig | None) -> Iterat
         mask = kwargs.get("attention_mask")
         if mask is None:
             mask = torch.ones_like(ids)
-        pad_lengths = (mask.shape[1] - mask.sum(1)).tolist()
-        prompt_ids = [row[pad:] for row, pad in zip(ids.tolist(), pad_lengths, strict=True)]
-        cache = CompressingCache(model.config, config, pad_lengths, prompt_ids)
+        cache = CompressingCache.for_batch(model.config, config, ids, mask)
         current["cache"] = press.cache = cache
-        press.calls += 1
         # Our attention reads the cache's slot validity instead of transformers' mask.
         previous = model.config._attn_implementation
         model.set_attn_implementation(attention.NAME)
