@@ -95,12 +95,17 @@ def shutdown(llm: Any) -> None:
     _vllm_llm(llm).llm_engine.engine_core.shutdown()
 
 
-def parse_server_args(argv: list[str]) -> Namespace:
-    """``argv`` parsed by vLLM's OpenAI server parser (what the server itself will see)."""
+def _server_parser() -> Any:
+    """vLLM's OpenAI server parser, as ``vllm serve`` builds it (with its positional ``model_tag``)."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    return make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def parse_server_args(argv: list[str]) -> Namespace:
+    """``argv`` parsed by vLLM's OpenAI server parser (what the server itself will see)."""
+    return _server_parser().parse_args(argv)
 
 
 def server_model(argv: list[str]) -> str | None:
@@ -109,10 +114,7 @@ def server_model(argv: list[str]) -> str | None:
     vLLM's parser knows which flags take a value, so ``--port 8000`` is never read as the
     model: the positional ``model_tag`` wins, as in ``vllm serve``, else ``--model`` when given.
     """
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser())
+    parser = _server_parser()
     args = parser.parse_args(argv)
     if args.model_tag is not None:
         return args.model_tag
