@@ -54,19 +54,24 @@ def test_denser_chunk_wins_when_budget_allows_one() -> None:
     assert {0, 1, 2, 3, 10} <= set(kept) and len(kept) == 6
 
 
+@st.composite
+def random_rows(draw: st.DrawFn) -> tuple[torch.Tensor, int, float, float, int]:
+    """Uniform scores ``[rows, C]`` with a budget and knobs across their ranges:
+    ``(scores, m, rho, beta, max_gap)``."""
+    c, rows = draw(st.integers(1, 64)), draw(st.integers(1, 4))
+    m = draw(st.integers(1, c))
+    rho = draw(st.floats(0.05, 1.0))
+    beta = draw(st.floats(0.0, 3.0))
+    max_gap = draw(st.integers(0, 20))
+    seed = draw(st.integers(0, 2**16))
+    return torch.rand(rows, c, generator=torch.Generator().manual_seed(seed)), m, rho, beta, max_gap
+
+
 @settings(max_examples=200, deadline=None)
-@given(
-    c=st.integers(1, 64),
-    rows=st.integers(1, 4),
-    data=st.data(),
-)
-def test_exactly_m_sorted_unique_and_candidates_kept(c: int, rows: int, data: st.DataObject) -> None:
-    m = data.draw(st.integers(1, c))
-    rho = data.draw(st.floats(0.05, 1.0))
-    beta = data.draw(st.floats(0.0, 3.0))
-    max_gap = data.draw(st.integers(0, 20))
-    seed = data.draw(st.integers(0, 2**16))
-    s = torch.rand(rows, c, generator=torch.Generator().manual_seed(seed))
+@given(case=random_rows())
+def test_exactly_m_sorted_unique_and_candidates_kept(case: tuple[torch.Tensor, int, float, float, int]) -> None:
+    s, m, rho, beta, max_gap = case
+    rows, c = s.shape
     kept = token2chunk(s, m, rho, beta, max_gap)
     assert kept.shape == (rows, m)
     assert ((kept[:, 1:] - kept[:, :-1]) > 0).all()
@@ -155,19 +160,11 @@ def test_matches_the_spec_with_tied_chunk_scores(c: int, data: st.DataObject) ->
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    c=st.integers(1, 64),
-    rows=st.integers(1, 4),
-    data=st.data(),
-)
-def test_matches_the_spec_row_by_row(c: int, rows: int, data: st.DataObject) -> None:
+@given(case=random_rows())
+def test_matches_the_spec_row_by_row(case: tuple[torch.Tensor, int, float, float, int]) -> None:
     """Random fp32 scores, any beta: every row of a batch is its own Token2Chunk."""
-    m = data.draw(st.integers(1, c))
-    rho = data.draw(st.floats(0.05, 1.0))
-    beta = data.draw(st.floats(0.0, 3.0))
-    max_gap = data.draw(st.integers(0, 20))
-    seed = data.draw(st.integers(0, 2**16))
-    s = torch.rand(rows, c, generator=torch.Generator().manual_seed(seed))
+    s, m, rho, beta, max_gap = case
+    c = s.shape[1]
     assume(all(len(set(row)) == c for row in s.tolist()))  # distinct token scores
     got = token2chunk(s, m, rho, beta, max_gap)
     for row, kept in zip(s.tolist(), got.tolist(), strict=True):
