@@ -11,6 +11,7 @@ from rich.table import Table
 
 from kvllm.config import CompressionConfig
 from kvllm.methods import Window, build
+from kvllm.methods.rope import Rope
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ def time_selection(
 ) -> SelectionTiming:
     """Wall time of ``method.select`` over one window per sequence, fp32 inputs.
 
-    The window has W + b queries and keys, as the periodic policy hands it over. One
-    untimed call first warms up allocators and kernels.
+    The window has W + b queries, keys and values, as the periodic policy hands it over
+    (random ones, at positions from 0). One untimed call first warms up allocators and
+    kernels.
     """
     span = config.window + config.buffer
     gen = torch.Generator().manual_seed(seed)
@@ -44,6 +46,10 @@ def time_selection(
         queries=torch.randn(batch, layers, heads, span, head_dim, generator=gen),
         keys=torch.randn(batch, layers, kv_heads, span, head_dim, generator=gen),
         n_compress=config.window,
+        positions=(0,) * batch,
+        values=torch.randn(batch, layers, kv_heads, span, head_dim, generator=gen),
+        # Qwen3's RoPE base, for the methods that undo or redo the rotation.
+        rope=Rope.from_inv_freq(1.0 / 1e6 ** (torch.arange(0, head_dim, 2) / head_dim), span),
     )
     method = build(config)
     method.select(window, config.budget)

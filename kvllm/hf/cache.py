@@ -20,11 +20,13 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvllm.config import CompressionConfig
 from kvllm.generation import SeqStats
 from kvllm.hf.compaction import compact
 from kvllm.methods import Method, Window, build, stream_seed
+from kvllm.methods.rope import Rope
 from kvllm.policy import Region, SeqState, build_policy
 
 
@@ -108,6 +110,7 @@ class CompressingCache(Cache):
         self.held_sum = 0.0
         self.held_steps = 0
         self.compress_seconds = 0.0
+        self.rope_parameters = rope_parameters(model_config)
 
     @classmethod
     def for_batch(
@@ -185,12 +188,17 @@ class CompressingCache(Cache):
         q_from = region.start + region.span - region.n_queries + dropped
         slots = torch.arange(q_from, q_from + region.n_queries, device=first.keys.device) % first.ring
         span = slice(region.start, region.start + region.span)
+        positions = tuple(region.start + dropped - pad for pad in self.pad_lengths)
+        inv_freq, scaling = self.rope_parameters
         window = Window(
             queries=torch.stack([layer.queries[:, :, slots] for layer in self.layers], dim=1),
             keys=torch.stack([layer.keys[:, :, span] for layer in self.layers], dim=1),
             n_compress=region.n_compress,
             seeds=tuple(stream_seed(ids, state.rounds) for ids in self.prompt_ids),
-            positions=tuple(region.start + dropped - pad for pad in self.pad_lengths),
+            positions=positions,
+            values=torch.stack([layer.values[:, :, span] for layer in self.layers], dim=1),
+            # The span's positions only: a table of a few thousand rows, built per round.
+            rope=Rope.from_inv_freq(inv_freq, max(positions) + region.span, scaling),
         )
         selection = self.method.select(window, region.budget)
         for i, layer in enumerate(self.layers):
@@ -224,3 +232,18 @@ class CompressingCache(Cache):
             )
             for pad in self.pad_lengths
         ]
+
+
+def rope_parameters(config: PretrainedConfig) -> tuple[Tensor, float]:
+    """The inverse frequencies and attention scaling transformers' rotary layer computes.
+
+    transformers' model classes compute plain RoPE in a per-class static method and every
+    scaled type through ``ROPE_INIT_FUNCTIONS``; the plain formula is restated here.
+    """
+    params = config.rope_parameters
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        return ROPE_INIT_FUNCTIONS[rope_type](config)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    return 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)), 1.0

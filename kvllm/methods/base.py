@@ -23,6 +23,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import Tensor
 
+from kvllm.methods.rope import Rope
+
 #: How a method parameter is named in errors: the user sets it through the config.
 FIELD = "CompressionConfig.params"
 
@@ -47,8 +49,16 @@ class Window:
         random numbers; ``None`` when the backend has none to give.
     positions
         Per sequence, the logical position of the span's first key (counting the
-        sequence's own tokens from 0), for selectors that look tokens up elsewhere (the
-        evaluation's oracle); ``None`` when the backend has none to give.
+        sequence's own tokens from 0; the span's keys are consecutive from there, and
+        it is their RoPE position), for selectors that look tokens up elsewhere (the
+        evaluation's oracle) or undo the rotation; ``None`` when the backend has none.
+    values
+        ``[B, L, Hkv, N, D]`` values of the span, for scorers that weigh a key by what
+        it would add to the output (value norms); ``None`` when the backend has none.
+    rope
+        The model's RoPE table, with :attr:`positions` enough to undo or redo the
+        rotation of the queries and keys (:meth:`key_positions`); ``None`` when the
+        backend has none to give.
     """
 
     queries: Tensor
@@ -56,6 +66,8 @@ class Window:
     n_compress: int
     seeds: tuple[int, ...] | None = None
     positions: tuple[int, ...] | None = None
+    values: Tensor | None = None
+    rope: Rope | None = None
 
     def __post_init__(self) -> None:
         q, k = self.queries, self.keys
@@ -67,6 +79,10 @@ class Window:
             raise ValueError(f"{q.shape[3]} queries but only {k.shape[3]} keys in the span")
         if not 1 <= self.n_compress <= k.shape[3]:
             raise ValueError(f"n_compress={self.n_compress} must be in [1, {k.shape[3]}]")
+        if self.values is not None and self.values.shape != k.shape:
+            raise ValueError(f"values {tuple(self.values.shape)} must have the keys' shape {tuple(k.shape)}")
+        if self.rope is not None and self.positions is None:
+            raise ValueError("a Window with rope needs positions")
         for name in ("seeds", "positions"):
             value = getattr(self, name)
             if value is not None and len(value) != q.shape[0]:
@@ -76,6 +92,19 @@ class Window:
     def group(self) -> int:
         """Query heads per KV head."""
         return self.queries.shape[2] // self.keys.shape[2]
+
+    def key_positions(self) -> Tensor:
+        """``[B, N]`` logical positions of the span's keys; the queries are the last ``Nq``."""
+        if self.positions is None:
+            raise ValueError("this backend gave no Window.positions")
+        first = torch.tensor(self.positions, device=self.keys.device).unsqueeze(1)
+        return first + torch.arange(self.keys.shape[3], device=self.keys.device)
+
+    def require(self, *fields: str, method: str) -> None:
+        """Raise naming ``method`` when the backend left one of ``fields`` out."""
+        missing = [name for name in fields if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"method {method!r} needs Window.{', Window.'.join(missing)}, which this backend omits")
 
 
 @dataclass(frozen=True)

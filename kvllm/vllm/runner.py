@@ -37,11 +37,13 @@ from vllm.distributed import (
     tensor_model_parallel_all_gather,
 )
 from vllm.model_executor.layers.attention.attention import Attention
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.block_table import MultiGroupBlockTable
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from kvllm.methods import Window, build
+from kvllm.methods.rope import Rope
 from kvllm.vllm import paged
 from kvllm.vllm.capture import CAPTURE, QueryRing
 from kvllm.vllm.plan import Compaction, StepPlan
@@ -78,6 +80,7 @@ class CompressingCPUModelRunner(CPUModelRunner):
         self.kv_seconds: dict[str, float] = {}
         self.kv_layers: list[Any] = []
         self.kv_tp_size, self.kv_tp_rank = 1, 0
+        self.kv_rope: Rope | None = None
 
     # -- setup ---------------------------------------------------------------------
     def _kv_setup(self) -> None:
@@ -102,6 +105,7 @@ class CompressingCPUModelRunner(CPUModelRunner):
         CAPTURE.layer_of = {layer.layer_name: i for i, layer in enumerate(self.kv_layers)}
         self.kv_tp_size = get_tensor_model_parallel_world_size()
         self.kv_tp_rank = get_tensor_model_parallel_rank()
+        self.kv_rope = _rope_of(self.model)
 
     # -- per step ------------------------------------------------------------------
     @torch.inference_mode()
@@ -210,16 +214,21 @@ class CompressingCPUModelRunner(CPUModelRunner):
         positions = (first.unsqueeze(1) + torch.arange(n_queries)) % ring.ring  # [B, nq]
         ring_slots = torch.tensor([ring.slot(c.req_id) for c in group]).unsqueeze(1)
         b = len(group)
-        keys, queries = [], []
+        keys, values, queries = [], [], []
         for layer, q in zip(self.kv_layers, ring.queries, strict=True):
-            k = paged.read(layer.kv_cache, span_slots.flatten())[0]  # [Hkv, B * span, D]
+            k, v = paged.read(layer.kv_cache, span_slots.flatten())  # [Hkv, B * span, D]
             keys.append(k.unflatten(1, (b, span)).transpose(0, 1))
+            values.append(v.unflatten(1, (b, span)).transpose(0, 1))
             queries.append(q[ring_slots, positions].permute(0, 2, 1, 3))  # [B, Hq, nq, D]
         window = Window(
             queries=self._all_heads(torch.stack(queries, dim=1)),  # [B, L, Hq, nq, D]
             keys=self._all_heads(torch.stack(keys, dim=1)),  # [B, L, Hkv, span, D]
             n_compress=n_compress,
             seeds=tuple(c.seed for c in group),
+            # Slots before the region were compacted; the span's own keys are consecutive.
+            positions=tuple(c.region.start + c.dropped for c in group),
+            values=self._all_heads(torch.stack(values, dim=1)),
+            rope=self.kv_rope,
         )
         kept = build(config).select(window, budget).indices  # [B, L, Hkv, m]
         if self.kv_tp_size > 1:  # this rank's KV heads, in vLLM's contiguous split
@@ -259,3 +268,18 @@ class CompressingCPUModelRunner(CPUModelRunner):
             out.kvllm_seconds = self.kv_seconds
             self.kv_seconds = {}
         return out
+
+
+def _rope_of(model: torch.nn.Module) -> Rope | None:
+    """The model's RoPE table for methods that undo the rotation; ``None`` if not neox RoPE.
+
+    vLLM builds one rotary layer per distinct configuration (``get_rope`` caches them), and
+    its ``cos_sin_cache`` already has :class:`~kvllm.methods.rope.Rope`'s layout, so the
+    table is the model's own, scaled types included. M-RoPE layers (``RotaryEmbeddingBase``
+    subclasses of another shape) and GPT-J-style layers are not covered: the methods that
+    need the table then raise a clear error (``Window.require``).
+    """
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            return Rope(module.cos_sin_cache) if module.is_neox_style else None
+    return None

@@ -253,3 +253,49 @@ def test_chunked_forcing_equals_one_token_per_forward(tokenizer, monkeypatch: py
     assert [dataclasses.replace(s, compress_seconds=0.0) for s in chunked.stats] == [
         dataclasses.replace(s, compress_seconds=0.0) for s in stepwise.stats
     ]
+
+
+def test_the_window_carries_the_spans_values_and_its_pre_rope_keys(tokenizer) -> None:
+    """Values, positions and the RoPE table reach the method: undoing the rotation of the
+    window's keys at its positions gives the keys each layer computed before RoPE, and
+    the values are the ones ``v_proj`` wrote, row by row past each row's left padding."""
+    from kvllm.methods import Method, Selection, Window, build
+
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(window=32, buffer=8, period=4, retention=0.25)
+    pre_rope: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    values: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        # k_norm's output [B, q, Hkv, D] is the key before RoPE; v_proj's [B, q, Hkv * D].
+        attn.k_norm.register_forward_hook(lambda _m, _a, out, i=i: pre_rope[i].append(out.transpose(1, 2)))
+        attn.v_proj.register_forward_hook(
+            lambda _m, _a, out, i=i, d=attn.head_dim: values[i].append(out.unflatten(-1, (-1, d)).transpose(1, 2))
+        )
+    windows: list[Window] = []
+
+    class Spy(Method):
+        name = "spy"
+
+        def select(self, window: Window, budget: int) -> Selection:
+            windows.append(window)
+            return build(cfg).select(window, budget)
+
+    prompts = PROMPTS[:2]
+    generate(model, tokenizer, prompts, cfg, 120, stop_at_eos=False, method=Spy(None))
+    assert len(windows) >= 2
+    pads = [len(ids) for ids in tokenizer(prompts)["input_ids"]]
+    pads = [max(pads) - n for n in pads]
+    for window in windows[:2]:
+        span = window.keys.shape[3]
+        positions = window.key_positions()
+        unrotated = window.rope.unrotate(window.keys, positions[:, None, None, :])
+        for layer in range(len(model.model.layers)):
+            keys = torch.cat(pre_rope[layer], dim=2)  # [B, Hkv, padded tokens, D]
+            vals = torch.cat(values[layer], dim=2)
+            for row, pad in enumerate(pads):
+                first = window.positions[row] + pad
+                torch.testing.assert_close(
+                    unrotated[row, layer], keys[row, :, first : first + span], atol=1e-5, rtol=1e-5
+                )
+                assert torch.equal(window.values[row, layer], vals[row, :, first : first + span])
