@@ -7,11 +7,15 @@ from kvllm.methods import (  # noqa: F401
     chunkkv,
     h2o,
     kara,
+    keydiff,
+    knorm,
+    lagkv,
     pyramidkv,
     random_keep,
     rkv,
     snapkv,
     streamingllm,
+    tova,
 )
 from kvllm.methods.base import (
     Method,

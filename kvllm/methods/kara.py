@@ -1,4 +1,4 @@
-"""Kara: bidirectional window scoring + Token2Chunk, its two ablations, and two variants.
+"""Kara: bidirectional window scoring + Token2Chunk, its two ablations, and three variants.
 
 Kara, "Efficient Reasoning LLM Serving via Sliding-Window KV Cache Compression"
 (docs/design.md, "Kara"). For every layer l and KV head h with GQA query-head group G::
@@ -14,13 +14,14 @@ rho = 0.5, beta = 1, max_gap = 16. Ablations at the same budget:
 - ``kara-topk``: bidirectional scores, plain top-m (no Token2Chunk).
 
 Variants beyond the paper, each with ``kara`` as its ablation: ``kara-far`` (a query
-scores only keys at least ``band`` tokens away) and ``kara-late`` (only the window's last
-``obs_window`` queries score).
+scores only keys at least ``band`` tokens away), ``kara-late`` (only the window's last
+``obs_window`` queries score) and ``kara-twoway`` (the other reading of the paper's
+score: a token also earns the attention its own query gives to later tokens).
 
 Reference: Kara is this project's own method, so its reference is the spec above
-(docs/design.md, "Kara" and "Token2Chunk"), not outside code; there is nothing to
-deviate from. ``tests/methods/test_references.py`` scores the keys independently from
-that spec and checks the kept sets of all five.
+(docs/design.md, "Kara", "Token2Chunk" and "Two readings of Kara's score"), not outside
+code; there is nothing to deviate from. ``tests/methods/test_references.py`` scores the
+keys independently from that spec and checks the kept sets of all six.
 """
 
 from __future__ import annotations
@@ -159,4 +160,28 @@ class KaraLate(Kara):
         p = self.params
         n_queries = min(p.obs_window, window.queries.shape[-2])
         scores = attention_scores(window, causal=False, last_queries=n_queries)[..., : window.n_compress]
+        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
+
+
+@register
+class KaraTwoWay(Kara):
+    """Kara's score read both ways (docs/design.md, "Two readings of Kara's score").
+
+    The paper keeps "tokens that allocate high attention to future tokens (and vice
+    versa)". ``kara`` reads that as the attention a token's key receives, the column
+    sum. This variant adds the other direction: the attention the token's own query
+    gives to the window's later tokens, over the same non-causal softmax and GQA group::
+
+        score_t = sum_{g in G} ( sum_j A_g[j, t] + sum_{i > t} A_g[t, i] )
+
+    A token whose query is not in the window (the span's first ``N - Nq`` tokens, in a
+    threshold round) gives nothing. Token2Chunk and its knobs are Kara's; its ablation
+    is ``kara`` (the first term alone).
+    """
+
+    name = "kara-twoway"
+
+    def select(self, window: Window, budget: int) -> Selection:
+        p = self.params
+        scores = attention_scores(window, causal=False, given_later=True)[..., : window.n_compress]
         return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))

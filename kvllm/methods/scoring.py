@@ -15,7 +15,9 @@ from kvllm.methods.base import Window
 _MAX_CHUNK_ELEMENTS = 1 << 19
 
 
-def attention_scores(window: Window, *, causal: bool, last_queries: int | None = None, band: int = 0) -> Tensor:
+def attention_scores(
+    window: Window, *, causal: bool, last_queries: int | None = None, band: int = 0, given_later: bool = False
+) -> Tensor:
     """Column sums of softmax attention, per KV head, over the window's keys.
 
     ``A_g = softmax(Q_g K^T / sqrt(d))`` for every query head ``g`` of a KV head's GQA
@@ -33,6 +35,10 @@ def attention_scores(window: Window, *, causal: bool, last_queries: int | None =
     band
         Mask key ``i`` from query ``j`` when their tokens are fewer than ``band`` apart,
         before the softmax (``kara-far``); a query with no key left adds nothing.
+    given_later
+        Also add to token ``t``'s score the attention its own query gives to the keys
+        after it, ``sum_g sum_{i > t} A_g[t, i]`` (``kara-twoway``); a token with no
+        query among the used ones adds nothing.
 
     Returns
     -------
@@ -58,6 +64,7 @@ def attention_scores(window: Window, *, causal: bool, last_queries: int | None =
     if band > 0:
         near = (k_pos - q_pos).abs() < band
         mask = near if mask is None else mask | near
+    later = (k_pos > q_pos).float() if given_later else None
     step = max(1, _MAX_CHUNK_ELEMENTS // (g * nq * n))
     out = torch.empty(heads, n, dtype=torch.float32, device=k.device)
     for lo in range(0, heads, step):
@@ -73,6 +80,11 @@ def attention_scores(window: Window, *, causal: bool, last_queries: int | None =
         z = exp.sum(dim=-1)
         inv_z = torch.where(z > 0, z.reciprocal(), torch.zeros_like(z)).unsqueeze(1)
         out[lo : lo + step] = torch.bmm(inv_z, exp).squeeze(1)
+        if later is not None:
+            # Each query row's mass on later keys, normalised and summed over the group,
+            # lands on the query's own token: the last nq positions of the span.
+            later_mass = (exp.view(-1, g, nq, n) * later).sum(-1) * inv_z.view(-1, g, nq)
+            out[lo : lo + step, n - nq :] += later_mass.sum(1)
     return out.view(b, n_layers, hkv, n)
 
 

@@ -1,4 +1,4 @@
-"""Invariants every method must keep, and Kara's behaviour on crafted inputs."""
+"""Invariants every method must keep, and the methods' behaviour on crafted inputs."""
 
 from __future__ import annotations
 
@@ -100,3 +100,121 @@ def test_kara_keeps_gqa_groups_per_kv_head() -> None:
     keys = torch.cat([base.keys, other_keys], dim=2)
     sel = build(CompressionConfig(method="kara-topk")).select(Window(queries, keys, 6), 1)
     assert sel.indices.flatten().tolist() == [3, 1]
+
+
+def _pick(name: str, window: Window, budget: int, **params: object) -> list[list[int]]:
+    """The kept indices per KV head of a one-sequence, one-layer window."""
+    config = CompressionConfig(method=name, params=params)
+    return build(config).select(window, budget).indices[0, 0].tolist()
+
+
+def _one_head(keys: torch.Tensor, queries: torch.Tensor, n_compress: int) -> Window:
+    """One sequence, one layer, one KV head and query head: ``keys`` ``[N, D]``, ``queries`` ``[Nq, D]``."""
+    return Window(queries[None, None, None], keys[None, None, None], n_compress)
+
+
+def test_knorm_keeps_the_lowest_key_norms() -> None:
+    """Norms 5, 4, 0.5, 3, 0.8, 6 in the area and 0.1 in the buffer: keys 2 and 4 stay."""
+    norms = torch.tensor([5.0, 4.0, 0.5, 3.0, 0.8, 6.0, 0.1, 0.1])
+    direction = torch.nn.functional.normalize(torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), dim=-1)
+    window = _one_head(norms[:, None] * direction, torch.zeros(8, 4), n_compress=6)
+    assert _pick("knorm", window, 2) == [[2, 4]]
+
+
+def test_keydiff_keeps_the_key_least_like_the_area_anchor() -> None:
+    """Area: e1 three times, e3 twice, e2 once; the area's anchor is least like e2.
+
+    The buffer's ten e2 keys would pull an anchor over the whole span toward e2, and e3
+    would then be the least similar: the anchor must average the area only. Norms vary
+    so that the choice is by direction, not length.
+    """
+    e1, e2, e3 = torch.eye(4)[:3]
+    area = torch.stack([e1, 3 * e3, 0.5 * e1, 2 * e2, e3, 4 * e1])
+    window = _one_head(torch.cat([area, e2.expand(10, 4)]), torch.zeros(16, 4), n_compress=6)
+    assert _pick("keydiff", window, 1) == [[3]]
+
+
+def test_tova_follows_the_last_query_averaged_over_all_heads() -> None:
+    """Two KV heads (group 1). Every earlier query looks at key 0, which Kara keeps.
+
+    The last query of head 0 looks only at key 2; that of head 1 gives key 4 about 0.41
+    and key 2 about 0.25. Averaged over both heads key 2 wins, and TOVA keeps it in both
+    KV heads, though head 1 alone would keep key 4.
+    """
+    n, d = 8, 4
+    e1, e2 = torch.eye(d)[:2]
+    keys = torch.zeros(2, n, d)
+    keys[:, 0] = 8 * e2
+    keys[0, 2] = 8 * e1
+    keys[1, 4], keys[1, 2] = 4 * e1, 3 * e1
+    queries = (8 * e2).repeat(2, n, 1)
+    queries[0, -1], queries[1, -1] = 8 * e1, e1
+    window = Window(queries[None, None], keys[None, None], n_compress=6)
+    assert _pick("tova", window, 1) == [[2], [2]]
+    assert _pick("kara-topk", window, 1)[0] == [0]
+
+
+def _lagkv_window() -> Window:
+    """Partitions of 4 keys: the area is [0, 4) and [4, 8), the buffer [8, 12).
+
+    Keys 1 and 2, equal, leave the next partition's range far on both sides (a large
+    spread of relative values across channels); all other keys are near (1, 1, 1, 1).
+    """
+    keys = 1 + 0.1 * torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    keys[1] = keys[2] = torch.tensor([3.0, -3.0, 3.0, -3.0])
+    return _one_head(keys, torch.zeros(12, 4), n_compress=8)
+
+
+def test_lagkv_keeps_keys_outside_the_next_partitions_range() -> None:
+    window = _lagkv_window()
+    # Ranked within partitions, each keeps its best: the outliers 1 and 2 tie on rank
+    # with partition 1's best, so one of them stays.
+    kept = _pick("lagkv", window, 2, lag_size=4)[0]
+    assert len(set(kept) & {1, 2}) == 1 and len(set(kept) & set(range(4, 8))) == 1
+    # Compared across partitions, the outliers' softmax shares (1/2 each) beat every
+    # key of partition 1 (about 0.3 at most): both stay.
+    assert _pick("lagkv", window, 2, lag_size=4, cross_scoring=True) == [[1, 2]]
+    # Partitions of 8: the area's one has no whole partition after it in the 12-token
+    # span, so it is tail and the most recent keys stay, outliers or not.
+    assert _pick("lagkv", window, 3, lag_size=8) == [[5, 6, 7]]
+
+
+def test_lagkv_params_follow_kvpress_and_fail_out_of_range() -> None:
+    params = CompressionConfig(method="lagkv").method_params
+    assert (params.lag_size, params.cross_scoring) == (32, False)
+    for bad, valid in [({"lag_size": 1}, "[2, 128]"), ({"lag_size": 129}, "[2, 128]"), ({"cross_scoring": 1}, "")]:
+        with pytest.raises(ValueError) as err:
+            CompressionConfig(method="lagkv", params=bad)
+        field = next(iter(bad))
+        assert f"CompressionConfig.params.{field}=" in str(err.value) and valid in str(err.value)
+
+
+def _twoway_window() -> Window:
+    """Eight tokens, the area the first six. Every query is 0 (uniform attention) except
+    token 1's, which spreads its attention evenly over keys 2-7.
+
+    Received attention: 7/8 for keys 0 and 1, 7/8 + 1/6 for keys 2-7, so Kara keeps one
+    of 2-5. Given to later tokens: (7 - i)/8 for token i, but all of token 1's query,
+    so token 1 scores 7/8 + 1 both ways, above token 0 (7/8 + 7/8) and key 2 (25/24 + 5/8).
+    """
+    n, d = 8, 4
+    e1 = torch.eye(d)[0]
+    keys = torch.zeros(n, d)
+    keys[2:] = 8 * e1
+    queries = torch.zeros(n, d)
+    queries[1] = 8 * e1
+    return _one_head(keys, queries, n_compress=6)
+
+
+def test_kara_twoway_keeps_a_token_whose_query_looks_ahead() -> None:
+    window = _twoway_window()
+    assert _pick("kara-twoway", window, 1) == [[1]]
+    assert _pick("kara", window, 1)[0][0] in range(2, 6)
+
+
+def test_kara_twoway_token_without_a_query_gives_nothing() -> None:
+    """With queries for the last six tokens only (all uniform), token 1 has none and only
+    receives, 6/8 like every key; token 2, the first with a query, gives 5/8 the most."""
+    full = _twoway_window()
+    window = Window(full.queries[..., 2:, :], full.keys, full.n_compress)
+    assert _pick("kara-twoway", window, 1) == [[2]]

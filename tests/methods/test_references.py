@@ -1,8 +1,9 @@
 """Every registered method against a small, independent re-implementation of its reference.
 
 Each reference below is written from the method's paper and the reference code named
-in its module's docstring (kvpress at 8bb29b9, R-KV at d15c976, FMInference/H2O at
-ac75c2a, ...), row by row in plain torch, without calling the package's scoring code,
+in its module's docstring (kvpress at 8bb29b9 and 0.5.5, R-KV at d15c976,
+FMInference/H2O at ac75c2a, ...), row by row in plain torch, without calling the
+package's scoring code,
 and gives the kept index set on seeded random tensors. A method must keep exactly that
 set. Kara's reference is its spec (bidirectional column sums + Token2Chunk; only the
 chunk step reuses :func:`~kvllm.methods.token2chunk.token2chunk`). Random has no set
@@ -173,6 +174,25 @@ def kara_far_reference(window: Window, budget: int, params: Any) -> Tensor:
                 logits = (krep[:, far] @ q[:, j].unsqueeze(-1)).squeeze(-1)  # [Hq, len(far)]
                 scores[:, far] += (logits / math.sqrt(d)).softmax(-1)
         s = scores.view(k.shape[0], -1, n).sum(1)[:, : window.n_compress]
+        return token2chunk(s, budget, params.rho, params.beta, params.max_gap).tolist()
+
+    return rows_to_mask(window, kept)
+
+
+def kara_twoway_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kara-twoway's spec: Kara's column sum, plus what each token's own query gives to
+    the later keys of the span, over the group; a token without a query gives nothing."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        q, k = window.queries[bi, li], window.keys[bi, li]
+        hq, nq, _ = q.shape
+        hkv, n = k.shape[:2]
+        attn = attention(q, k, causal=False)  # [Hq, Nq, N]
+        scores = attn.sum(1)  # received
+        for j in range(nq):
+            pos = n - nq + j  # query j is this token's
+            scores[:, pos] += attn[:, j, pos + 1 :].sum(-1)
+        s = scores.view(hkv, hq // hkv, n).sum(1)[:, : window.n_compress]
         return token2chunk(s, budget, params.rho, params.beta, params.max_gap).tolist()
 
     return rows_to_mask(window, kept)
@@ -359,6 +379,73 @@ def streamingllm_reference(window: Window, budget: int, params: Any) -> Tensor:
     return rows_to_mask(window, kept)
 
 
+# ------------------------------------------------- kvpress 0.5.5's decoding scorers
+
+
+def knorm_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kvpress 0.5.5's ``KnormPress.score``: ``-||k||_2``; the lowest norms stay."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        k = window.keys[bi, li, :, : window.n_compress]
+        return [top(-torch.linalg.vector_norm(row, dim=-1), budget) for row in k]
+
+    return rows_to_mask(window, kept)
+
+
+def keydiff_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kvpress 0.5.5's ``KeyDiffPress.score``: minus the cosine to the mean unit key, the
+    anchor taken over the keys ranked (the compressible area)."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        rows = []
+        for k in window.keys[bi, li, :, : window.n_compress]:
+            norms = k.norm(dim=-1)
+            anchor = (k / norms.unsqueeze(-1)).mean(0)
+            rows.append(top(-(k @ anchor) / (norms * anchor.norm()), budget))
+        return rows
+
+    return rows_to_mask(window, kept)
+
+
+def tova_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kvpress 0.5.5's ``TOVAPress.score``: the last query's attention averaged over all
+    query heads, the same row for every KV head."""
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        q, k = window.queries[bi, li], window.keys[bi, li]
+        last = attention(q[:, -1:], k, causal=False)[:, 0]  # [Hq, N]: the last sees all
+        row = top(last.mean(0)[: window.n_compress], budget)
+        return [row] * k.shape[0]
+
+    return rows_to_mask(window, kept)
+
+
+def lagkv_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kvpress 0.5.5's ``LagKVPress.score`` on the keys, with no sinks: partitions of
+    ``lag_size`` from the span's first key, each scored against the next whole one; the
+    rest scores 1 (the tail). Top-m of the area, ties to the later token."""
+    lag, c = params.lag_size, window.n_compress
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        rows = []
+        for k in window.keys[bi, li]:
+            n = k.shape[0]
+            scores = [1.0] * c
+            for start in range(0, n - 2 * lag + 1, lag):
+                v, ref = k[start : start + lag], k[start + lag : start + 2 * lag]
+                lo, hi = ref.min(0).values, ref.max(0).values
+                s = ((v - lo) / (hi - lo)).std(-1).softmax(-1)
+                if not params.cross_scoring:
+                    s = s.argsort().argsort() / lag
+                for offset, value in enumerate(s.tolist()):
+                    if start + offset < c:
+                        scores[start + offset] = value
+            rows.append(sorted(sorted(range(c), key=lambda i: (-scores[i], -i))[:budget]))
+        return rows
+
+    return rows_to_mask(window, kept)
+
+
 def exact(reference: Reference) -> Check:
     def check(method: Method, window: Window, budget: int) -> None:
         ours = kept_mask(method.select(window, budget), window.n_compress)
@@ -395,6 +482,7 @@ REFERENCES: dict[str, Check] = {
     "kara-topk": exact(kara_reference(causal=False, chunks=False)),
     "kara-far": exact(kara_far_reference),
     "kara-late": exact(kara_late_reference),
+    "kara-twoway": exact(kara_twoway_reference),
     "snapkv": exact(snapkv_reference),
     "pyramidkv": exact(pyramidkv_reference),
     "adakv": exact(adakv_reference),
@@ -403,6 +491,10 @@ REFERENCES: dict[str, Check] = {
     "rkv": exact(rkv_reference),
     "h2o": exact(h2o_reference),
     "streamingllm": exact(streamingllm_reference),
+    "knorm": exact(knorm_reference),
+    "keydiff": exact(keydiff_reference),
+    "tova": exact(tova_reference),
+    "lagkv": exact(lagkv_reference),
     "random": random_is_reproducible,
 }
 
@@ -413,6 +505,8 @@ PARAMS: Mapping[str, Mapping[str, Any]] = {
     **{name: SNAP for name in ("snapkv", "pyramidkv", "adakv", "chunkkv", "chunkkv-head")},
     # Past the buffer, so that compressible tokens' queries score too.
     "kara-late": {"obs_window": BUFFER + 9},
+    # Partitions of the buffer's length: the buffer is the last one's reference.
+    "lagkv": {"lag_size": BUFFER},
 }
 
 
@@ -489,3 +583,26 @@ def test_observed_snapkv_is_kvpress_when_the_window_is_the_buffer() -> None:
         theirs = kvpress_snapkv(window, 1, li, BUFFER, 7)
         # kvpress means over the observers and the group where the definition sums.
         torch.testing.assert_close(ours.float(), theirs * BUFFER * window.group)
+
+
+@pytest.mark.parametrize("budget", [5, 13, 30])
+def test_kara_twoway_with_queries_of_the_last_tokens_only(budget: int) -> None:
+    """A threshold round's span: queries for its last 20 tokens only, so the area's first
+    44 tokens give nothing and only receive."""
+    full = make_window(BUFFER, seed=40 + budget)
+    window = Window(full.queries[..., -20:, :], full.keys, full.n_compress)
+    REFERENCES["kara-twoway"](build("kara-twoway", {}, window), window, budget)
+
+
+@pytest.mark.parametrize("cross_scoring", [False, True])
+@pytest.mark.parametrize(
+    ("lag_size", "buffer"),
+    # 16 | 48 with a 16-token buffer: every area token scored; 7: a partition crosses
+    # into the buffer; 20 and 32: the area's last tokens are tail; 40: no partition scored.
+    [(16, 16), (7, 16), (20, 16), (32, 16), (40, 16), (8, 0)],
+)
+def test_lagkv_with_its_knobs_moved(lag_size: int, buffer: int, cross_scoring: bool) -> None:
+    for budget in (1, 13, 30):
+        window = make_window(buffer, seed=lag_size + budget)
+        params = {"lag_size": lag_size, "cross_scoring": cross_scoring}
+        REFERENCES["lagkv"](build("lagkv", params, window), window, budget)
