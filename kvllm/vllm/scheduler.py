@@ -84,6 +84,28 @@ class PhysicalKVCacheManager(KVCacheManager):
         return freed
 
 
+def _cap_caching(manager: KVCacheManager) -> None:
+    """Make ``manager``'s coordinator cache a compressing request's prompt blocks only.
+
+    vLLM hashes a full block by the logical tokens it was written for and registers it
+    for prefix matching (the coordinator's ``cache_blocks``, from ``allocate_slots`` and
+    the connector paths). A round rewrites every block from its region's start on, and a
+    region never starts inside the prompt (docs/design.md, "Prefix caching"). Capping the
+    cached tokens at the prompt's keeps every block a round may rewrite out of the cache
+    from the start: it is never hashed, so it can never be matched, and nothing has to be
+    evicted before a round. Requests with compression off cache as vLLM does.
+    """
+    base = type(manager.coordinator)
+
+    def cache_blocks(self: Any, request: Request, num_computed_tokens: int) -> None:
+        if getattr(request, CONFIG, None) is not None:
+            num_computed_tokens = min(num_computed_tokens, request.num_prompt_tokens)
+        base.cache_blocks(self, request, num_computed_tokens)
+
+    # A direct subclass: with a mixin first, CPython refuses the __class__ swap (layout).
+    manager.coordinator.__class__ = type(f"PromptOnly{base.__name__}", (base,), {"cache_blocks": cache_blocks})
+
+
 @dataclass
 class RequestCompression:
     """One request's compression state and statistics."""
@@ -130,6 +152,8 @@ class CompressingScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.kv_config = check_vllm_config(self.vllm_config)
         self.kv_cache_manager.__class__ = PhysicalKVCacheManager
+        if self.kv_config is not None and self.kv_cache_manager.enable_caching:
+            _cap_caching(self.kv_cache_manager)
         self.kv_query_bytes = 0
         if self.kv_config is not None:
             # The worker's query ring, outside the KV pool: layers x Hq x (W + b + P) x D.
@@ -170,6 +194,11 @@ class CompressingScheduler(Scheduler):
                 plan.keep_blocks.pop(req_id, None)
             output.kvllm = plan
         return output
+
+    def add_request(self, request: Request) -> None:
+        if self.kv_config is not None:
+            self._config(request)  # before any block is cached: _cap_caching reads it
+        super().add_request(request)
 
     def _config(self, request: Request) -> CompressionConfig | None:
         # Cached on the request: admission asks for it every step while it waits.

@@ -50,17 +50,13 @@ def check_paged(config: CompressionConfig) -> CompressionConfig:
     return config
 
 
-def check_engine(config: CompressionConfig, block_size: int, prefix_caching: bool | None) -> CompressionConfig:
-    """``config`` fitted to an engine: its block size, and no prefix caching.
+def check_engine(config: CompressionConfig, block_size: int) -> CompressionConfig:
+    """``config`` fitted to an engine: its block size.
 
     Returns ``config`` with ``block_size`` set to the engine's. Raises ``ValueError``
-    naming the parameter when the two cannot work together.
+    naming the parameter when the two cannot work together. Prefix caching works with
+    compression (the scheduler caches a compressing request's prompt blocks only).
     """
-    if prefix_caching:
-        raise ValueError(
-            "enable_prefix_caching=True (--enable-prefix-caching) is invalid with KV compression: compacted "
-            "blocks must never be shared; start vLLM with enable_prefix_caching=False (--no-enable-prefix-caching)"
-        )
     if config.window % block_size:
         raise ValueError(
             f"CompressionConfig.window={config.window} is invalid: must be a positive multiple of "
@@ -104,7 +100,7 @@ def check_vllm_config(vllm_config: Any) -> CompressionConfig | None:
             f"(--scheduler-cls {SCHEDULER})"
         )
     cache = vllm_config.cache_config
-    config = check_engine(config, cache.block_size, cache.enable_prefix_caching)
+    config = check_engine(config, cache.block_size)
     check_parallel(vllm_config.parallel_config.tensor_parallel_size, vllm_config.model_config.get_total_num_kv_heads())
     return config
 
@@ -126,8 +122,7 @@ def engine_kwargs(compression: CompressionConfig | None, vllm_kwargs: dict[str, 
     if compression is None:
         return kwargs
     block_size = kwargs.setdefault("block_size", compression.block_size)
-    compression = check_engine(compression, block_size, kwargs.get("enable_prefix_caching"))
-    kwargs["enable_prefix_caching"] = False
+    compression = check_engine(compression, block_size)
     kwargs["additional_config"] = {**(kwargs.get("additional_config") or {}), **as_additional_config(compression)}
     return kwargs
 

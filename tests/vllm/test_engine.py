@@ -189,7 +189,6 @@ def test_threshold_policy_recompresses_to_budget(tiny_model: str) -> None:
 @pytest.mark.parametrize(
     ("compression", "kwargs", "message"),
     [
-        (KARA, {"enable_prefix_caching": True}, "enable_prefix_caching"),
         (CompressionConfig(window=64, block_size=64), {"block_size": 128}, "multiple of vLLM's block_size=128"),
         (CompressionConfig(method="pyramidkv"), {}, "pyramidkv"),
     ],
@@ -206,23 +205,3 @@ def test_bad_compression_values_fail_before_the_engine() -> None:
         CompressionConfig(method="nope")
     with pytest.raises(ValueError, match="retention"):
         CompressionConfig(retention=0)
-
-
-def test_scheduler_rejects_prefix_caching_when_configured_directly(tiny_model: str) -> None:
-    """Started through vLLM's own arguments (as `vllm serve` would), not our wrapper."""
-    import vllm
-
-    from kvllm.vllm.settings import as_additional_config
-
-    with pytest.raises(Exception, match="enable_prefix_caching"):
-        vllm.LLM(
-            tiny_model,
-            dtype="float32",
-            enforce_eager=True,
-            block_size=32,
-            max_model_len=512,
-            gpu_memory_utilization=0.3,
-            enable_prefix_caching=True,
-            scheduler_cls="kvllm.vllm.scheduler.CompressingScheduler",
-            additional_config=as_additional_config(KARA),
-        )

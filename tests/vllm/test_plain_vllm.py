@@ -53,7 +53,6 @@ def test_vllm_llm_with_only_vllm_arguments(tiny_model: str) -> None:
         ({"additional_config": {"kvllm": {"retention": 2}}}, "CompressionConfig.retention=2"),
         ({"additional_config": {"kvllm": "kara"}}, "additional_config.kvllm must be an object"),
         ({"additional_config": {"kvllm": {"window": 48}}}, "window=48 is invalid"),
-        ({"enable_prefix_caching": True}, "enable_prefix_caching=True"),
         ({"scheduler_cls": None}, "--scheduler-cls kvllm.vllm.scheduler.CompressingScheduler"),
     ],
 )

@@ -430,3 +430,20 @@ def test_data_parallel_engines_each_serve_and_compress(tiny_model: str, tmp_path
     with engine(tiny_model, config, num_gpu_blocks_override=128, max_num_seqs=32) as llm:
         alone = [llm.generate([p], greedy(120))[0].outputs[0].text for p in PROMPTS[:8]]
     assert [r["choices"][0]["text"] for r in served] == alone
+
+
+def _vllm_total(text: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(rf"^vllm:{name}_total\{{[^}}]*\}} (\S+)$", text, re.M))
+
+
+def test_prefix_caching_is_on_by_default_and_metrics_show_the_hits(server: str, tiny_model: str) -> None:
+    """The server runs with vLLM's default (prefix caching on): a second request sharing a
+    three-block prompt prefix hits the cache, and vLLM's own counter says so."""
+    system = "you are a careful solver: read every value, write each step, check the sum. " * 6
+    before = _vllm_total(httpx.get(f"{server}/metrics", timeout=10).text, "prefix_cache_hits")
+    for prompt in PROMPTS[20:22]:
+        body = {"model": tiny_model, "prompt": system + prompt, "max_tokens": 80, "ignore_eos": True}
+        out = httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()
+        assert out["kv_transfer_params"]["kvllm"]["compressions"] > 0
+    after = _vllm_total(httpx.get(f"{server}/metrics", timeout=10).text, "prefix_cache_hits")
+    assert after - before >= 3 * 32

@@ -44,32 +44,35 @@ def test_serve_and_llm_build_the_same_engine(tiny_model: str, compression, flags
     if compression is not None:
         expected = kwargs.get("block_size", 32)  # vLLM's flag when given, else the one default
         assert served.block_size == direct.block_size == expected
-        assert served.enable_prefix_caching is False
+        # vLLM's own default (None: vLLM turns it on), unless the user's flag says otherwise.
+        assert served.enable_prefix_caching is None
         assert CompressionConfig(**served.additional_config["kvllm"]).method == compression.method
     assert served.scheduler_cls == SCHEDULER
 
 
-def test_serve_refuses_prefix_caching_and_a_misfit_block_size(tiny_model: str) -> None:
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        serve_argv(tiny_model, KARA, ["--enable-prefix-caching"])
+def test_serve_keeps_prefix_caching_and_refuses_a_misfit_block_size(tiny_model: str) -> None:
+    for flags, expected in (([], None), (["--enable-prefix-caching"], True), (["--no-enable-prefix-caching"], False)):
+        args = engine.parse_server_args(serve_argv(tiny_model, KARA, flags))
+        assert args.enable_prefix_caching is expected, flags
     with pytest.raises(ValueError, match="multiple of vLLM's block_size=128"):
         serve_argv(tiny_model, KARA, ["--block-size", "128"])
 
 
 def test_engine_kwargs_keeps_user_settings_and_fits_the_block_size() -> None:
     kwargs = engine_kwargs(KARA, {"block_size": 64, "additional_config": {"other": 1}})
-    assert kwargs["block_size"] == 64 and kwargs["enable_prefix_caching"] is False
+    assert kwargs["block_size"] == 64 and "enable_prefix_caching" not in kwargs  # vLLM's default
+    assert engine_kwargs(KARA, {"enable_prefix_caching": False})["enable_prefix_caching"] is False
     assert kwargs["additional_config"]["other"] == 1
     assert kwargs["additional_config"]["kvllm"]["block_size"] == 64
     assert engine_kwargs(None, {}) == {"scheduler_cls": SCHEDULER}
 
 
 def test_check_engine_names_the_parameter() -> None:
-    assert check_engine(KARA, 32, False).block_size == 32
+    assert check_engine(KARA, 32).block_size == 32
     with pytest.raises(ValueError, match=r"window=64 .* block_size=128"):
-        check_engine(KARA, 128, None)
+        check_engine(KARA, 128)
     with pytest.raises(ValueError, match="pyramidkv"):
-        check_engine(CompressionConfig(method="pyramidkv"), 32, False)
+        check_engine(CompressionConfig(method="pyramidkv"), 32)
 
 
 def test_to_argv_spells_vllm_flags() -> None:
