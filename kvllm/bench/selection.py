@@ -46,6 +46,8 @@ def time_selection(
         queries=torch.randn(batch, layers, heads, span, head_dim, generator=gen),
         keys=torch.randn(batch, layers, kv_heads, span, head_dim, generator=gen),
         n_compress=config.window,
+        # For the methods that draw (random, compactor's sketch), one stream per sequence.
+        seeds=tuple(range(batch)),
         positions=(0,) * batch,
         values=torch.randn(batch, layers, kv_heads, span, head_dim, generator=gen),
         # Qwen3's RoPE base, for the methods that undo or redo the rotation.

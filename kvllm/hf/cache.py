@@ -111,6 +111,11 @@ class CompressingCache(Cache):
         self.held_steps = 0
         self.compress_seconds = 0.0
         self.rope_parameters = rope_parameters(model_config)
+        # vLLM's rotary table covers max_position_embeddings positions; this one too, so
+        # that a method reaching past the span (ExpectedAttention's future positions)
+        # sees the same rows in both backends. Built at the first round.
+        self.max_positions: int = model_config.max_position_embeddings
+        self.rope: Rope | None = None
 
     @classmethod
     def for_batch(
@@ -189,7 +194,12 @@ class CompressingCache(Cache):
         slots = torch.arange(q_from, q_from + region.n_queries, device=first.keys.device) % first.ring
         span = slice(region.start, region.start + region.span)
         positions = tuple(region.start + dropped - pad for pad in self.pad_lengths)
-        inv_freq, scaling = self.rope_parameters
+        # Past the model's context, where vLLM would not run, the table reaches the span's end.
+        reach = max(self.max_positions, max(positions) + region.span)
+        if self.rope is None or self.rope.cos_sin.shape[0] < reach:
+            inv_freq, scaling = self.rope_parameters
+            # On the cache's device, so that a method's lookups move rows, not the table.
+            self.rope = Rope(Rope.from_inv_freq(inv_freq, reach, scaling).cos_sin.to(first.keys.device))
         window = Window(
             queries=torch.stack([layer.queries[:, :, slots] for layer in self.layers], dim=1),
             keys=torch.stack([layer.keys[:, :, span] for layer in self.layers], dim=1),
@@ -197,8 +207,7 @@ class CompressingCache(Cache):
             seeds=tuple(stream_seed(ids, state.rounds) for ids in self.prompt_ids),
             positions=positions,
             values=torch.stack([layer.values[:, :, span] for layer in self.layers], dim=1),
-            # The span's positions only: a table of a few thousand rows, built per round.
-            rope=Rope.from_inv_freq(inv_freq, max(positions) + region.span, scaling),
+            rope=self.rope,
         )
         selection = self.method.select(window, region.budget)
         for i, layer in enumerate(self.layers):

@@ -16,7 +16,13 @@ _MAX_CHUNK_ELEMENTS = 1 << 19
 
 
 def attention_scores(
-    window: Window, *, causal: bool, last_queries: int | None = None, band: int = 0, given_later: bool = False
+    window: Window,
+    *,
+    causal: bool,
+    last_queries: int | None = None,
+    band: int = 0,
+    given_later: bool = False,
+    scale: float | None = None,
 ) -> Tensor:
     """Column sums of softmax attention, per KV head, over the window's keys.
 
@@ -39,6 +45,9 @@ def attention_scores(
         Also add to token ``t``'s score the attention its own query gives to the keys
         after it, ``sum_g sum_{i > t} A_g[t, i]`` (``kara-twoway``); a token with no
         query among the used ones adds nothing.
+    scale
+        The logits' factor, ``1 / sqrt(d)`` when ``None``; kvpress's non-causal scorer
+        (``noncausal-attn``, ``compactor``) uses 1.
 
     Returns
     -------
@@ -65,11 +74,12 @@ def attention_scores(
         near = (k_pos - q_pos).abs() < band
         mask = near if mask is None else mask | near
     later = (k_pos > q_pos).float() if given_later else None
+    factor = d**-0.5 if scale is None else scale
     step = max(1, _MAX_CHUNK_ELEMENTS // (g * nq * n))
     out = torch.empty(heads, n, dtype=torch.float32, device=k.device)
     for lo in range(0, heads, step):
         # Scaling the queries, not the logits: g * nq * d elements instead of g * nq * n.
-        logits = torch.bmm(qf[lo : lo + step].float() * d**-0.5, kf[lo : lo + step].float().transpose(1, 2))
+        logits = torch.bmm(qf[lo : lo + step].float() * factor, kf[lo : lo + step].float().transpose(1, 2))
         if mask is not None:
             logits.view(-1, g, nq, n).masked_fill_(mask, float("-inf"))
         # Softmax without materialising the normalised matrix: with E = exp(logits - max)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from kvllm import CompressionConfig
 from kvllm.methods import Window, available, build, method_class
 from kvllm.methods.pyramidkv import pyramid_budgets
+from kvllm.methods.rope import Rope
 
 
 @st.composite
@@ -24,7 +27,13 @@ def windows(draw: st.DrawFn) -> tuple[Window, int]:
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     q = torch.randn(b, layers, hkv * group, nq, d, generator=gen)
     k = torch.randn(b, layers, hkv, n, d, generator=gen)
-    return Window(q, k, c), budget
+    v = torch.randn(b, layers, hkv, n, d, generator=gen)
+    positions = tuple(draw(st.lists(st.integers(0, 100), min_size=b, max_size=b)))
+    seeds = tuple(draw(st.lists(st.integers(0, 2**62), min_size=b, max_size=b)))
+    # A table that may end anywhere past the spans, future positions cut short or not.
+    rows = max(positions) + n + draw(st.integers(0, 600))
+    rope = Rope.from_inv_freq(1.0 / 10000 ** (torch.arange(0, d, 2) / d), rows)
+    return Window(q, k, c, seeds, positions, v, rope), budget
 
 
 @pytest.mark.parametrize("name", available())
@@ -218,3 +227,139 @@ def test_kara_twoway_token_without_a_query_gives_nothing() -> None:
     full = _twoway_window()
     window = Window(full.queries[..., 2:, :], full.keys, full.n_compress)
     assert _pick("kara-twoway", window, 1) == [[2]]
+
+
+# ------------------------------------------- the value- and RoPE-aware scorers (#23)
+
+
+def _carrying(keys: torch.Tensor, queries: torch.Tensor, n_compress: int, **fields: object) -> Window:
+    """:func:`_one_head`'s window with values (unit norms unless given), a stream seed,
+    position 0 and a RoPE table that does not rotate (pre-RoPE is post-RoPE), unless given."""
+    n, d = keys.shape
+    values = fields.pop("values", torch.eye(d)[0].expand(n, d))
+    window = Window(
+        queries[None, None, None],
+        keys[None, None, None],
+        n_compress,
+        seeds=(7,),
+        positions=fields.pop("positions", (0,)),
+        values=values[None, None, None],
+        rope=fields.pop("rope", Rope.from_inv_freq(torch.zeros(d // 2), 64)),
+    )
+    assert not fields
+    return window
+
+
+def test_noncausal_attn_keeps_a_key_among_heavy_values() -> None:
+    """Uniform attention (zero queries), value norms 1, 5, 1, 4, 4, 4 in the area: the
+    pooled value-weighted mass is highest at key 4, in the middle of the run of fours,
+    not at the lone 5 that an unpooled value norm would keep."""
+    norms = torch.tensor([1.0, 5.0, 1.0, 4.0, 4.0, 4.0, 1.0, 1.0])
+    values = norms[:, None] * torch.eye(4)[0]
+    window = _carrying(torch.zeros(8, 4), torch.zeros(8, 4), 6, values=values)
+    assert _pick("noncausal-attn", window, 1) == [[4]]
+    assert _pick("kara-vnorm", window, 1) == [[1]]
+
+
+def test_kara_vnorm_keeps_a_key_with_a_large_value_that_kara_drops() -> None:
+    """Key 2 draws e / (e + 7) of each query's attention, the others 1 / (e + 7); key 4's
+    value is ten times the others', so its weighted mass, 10 / (e + 7), is the largest."""
+    e1 = torch.eye(4)[0]
+    keys = torch.zeros(8, 4)
+    keys[2] = e1
+    norms = torch.ones(8)
+    norms[4] = 10.0
+    window = _carrying(keys, (2 * e1).expand(8, 4), 6, values=norms[:, None] * e1)
+    assert _pick("kara", window, 1) == [[2]]
+    assert _pick("kara-vnorm", window, 1) == [[4]]
+
+
+def test_kara_pool_keeps_a_run_of_keys_over_a_lone_spike() -> None:
+    """Logits 1.5 for key 0 and 1 for keys 3-5, 0 elsewhere: Kara keeps the spike; pooled
+    over 3 (zeros padded), key 4 (e, e, e) beats key 1 (e^1.5, 1, 1) and key 0."""
+    e1 = torch.eye(4)[0]
+    keys = torch.zeros(9, 4)
+    keys[0], keys[3:6] = 1.5 * e1, e1
+    window = _carrying(keys, (2 * e1).expand(9, 4), 7)
+    assert _pick("kara", window, 1) == [[0]]
+    assert _pick("kara-pool", window, 1) == [[4]]
+    assert _pick("kara-vpool", window, 1) == [[4]]
+
+
+def test_compactor_keeps_a_geometric_outlier_that_attention_drops() -> None:
+    """Seven area keys along e1 and one, key 3, along e2; the queries read e1. Non-causal
+    attention ranks key 3 last; its leverage is the largest, and with the leverage
+    weighted up it is kept. At blending 0 compactor is noncausal-attn."""
+    e1, e2 = torch.eye(4)[:2]
+    keys = e1.expand(10, 4).clone() * torch.linspace(1.0, 1.2, 10)[:, None]
+    keys[3] = 3 * e2
+    window = _carrying(keys, (2 * e1).expand(10, 4), 8)
+    assert 3 not in _pick("noncausal-attn", window, 2)[0]
+    assert 3 in _pick("compactor", window, 2, blending=4.0)[0]
+    assert _pick("compactor", window, 2, blending=0.0) == _pick("noncausal-attn", window, 2)
+
+
+def test_compactor_blends_by_the_fraction_removed_by_default() -> None:
+    window = _carrying(torch.randn(12, 4, generator=torch.Generator().manual_seed(1)), torch.randn(12, 4), 10)
+    for budget in (2, 5, 9):
+        assert _pick("compactor", window, budget) == _pick("compactor", window, budget, blending=1 - budget / 10)
+
+
+def test_expected_attention_reads_the_queries_spread() -> None:
+    """The queries are +-3 e2: mean 0, variance 9 along e2. Without the covariance term
+    every expected logit is 0 and the largest value (key 1) wins; with it key 4, along
+    e2, expects exp(4 * 9 / 8) times the others' attention."""
+    e1, e2 = torch.eye(4)[:2]
+    keys = torch.zeros(8, 4)
+    keys[4] = 2 * e2
+    queries = 3 * e2 * torch.tensor([1.0, -1.0]).repeat(4)[:, None]
+    norms = torch.ones(8)
+    norms[1] = 2.0
+    window = _carrying(keys, queries, 6, values=norms[:, None] * e1)
+    assert _pick("expected-attention", window, 1) == [[4]]
+    assert _pick("expected-attention", window, 1, use_covariance=False) == [[1]]
+
+
+def test_expected_attention_looks_at_the_next_position() -> None:
+    """RoPE turning a quarter per position; every query is e1 before RoPE. The span covers
+    positions 10-17. Key 1 is 3 e1 rotated to 18, the next position; key 3 is 3 e1
+    rotated to 17, the last query's: at 18 the queries meet key 1 head on and key 3 at a
+    right angle, so with one future position key 1 is kept."""
+    rope = Rope.from_inv_freq(torch.tensor([torch.pi / 2]), 64)
+    e1 = torch.eye(2)[0]
+    keys = torch.zeros(8, 2)
+    keys[1] = rope.rotate(3 * e1[None], torch.tensor([18]))[0]
+    keys[3] = rope.rotate(3 * e1[None], torch.tensor([17]))[0]
+    queries = rope.rotate(e1.expand(8, 2), torch.arange(10, 18))
+    window = _carrying(keys, queries, 6, positions=(10,), rope=rope)
+    assert _pick("expected-attention", window, 1, n_future_positions=1) == [[1]]
+
+
+@pytest.mark.parametrize(
+    ("name", "missing"),
+    [("noncausal-attn", "values"), ("compactor", "seeds"), ("expected-attention", "rope"), ("kara-vnorm", "values")],
+)
+def test_a_scorer_names_what_the_backend_omits(name: str, missing: str) -> None:
+    full = _carrying(torch.randn(8, 4), torch.randn(8, 4), 6)
+    window = dataclasses.replace(full, **{missing: None})
+    with pytest.raises(ValueError, match=f"method {name!r} needs Window.{missing}"):
+        build(CompressionConfig(method=name)).select(window, 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "bad", "valid"),
+    [
+        ("compactor", {"sketch_dimension": 0}, "[1, inf]"),
+        ("compactor", {"blending": -0.5}, ">= 0"),
+        ("expected-attention", {"n_future_positions": 0}, "[1, inf]"),
+        ("expected-attention", {"use_vnorm": 1}, "true or false"),
+        ("expected-attention", {"epsilon": -1.0}, ">= 0"),
+        ("kara-pool", {"pool_kernel": 2}, "odd integer >= 1"),
+        ("kara-vpool", {"rho": 0.0}, "(0, 1]"),
+    ],
+)
+def test_scorer_params_fail_out_of_range(name: str, bad: dict[str, object], valid: str) -> None:
+    with pytest.raises(ValueError) as err:
+        CompressionConfig(method=name, params=bad)
+    field = next(iter(bad))
+    assert f"CompressionConfig.params.{field}=" in str(err.value) and valid in str(err.value)

@@ -15,6 +15,7 @@ A newly registered method without an entry in :data:`REFERENCES` fails
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from kvllm.methods import Method, Selection, Window, available, method_class
+from kvllm.methods.rope import Rope
 from kvllm.methods.token2chunk import token2chunk
 
 # A reference: (window, budget, the method's resolved params) -> kept mask [B, L, Hkv, C].
@@ -32,13 +34,35 @@ Reference = Callable[[Window, int, Any], Tensor]
 Check = Callable[[Method, Window, int], None]
 
 
-def make_window(buffer: int, *, n_compress: int = 48, layers: int = 4, seed: int = 0) -> Window:
-    """2 sequences x ``layers`` x 2 KV heads (GQA group 2), d = 8; queries of every span token."""
+# Plain RoPE of the d = 8 heads below, and the table's length: the spans of
+# make_window and their 512 future positions (ExpectedAttention's default) fit in it.
+INV_FREQ = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+TABLE = 1024
+POSITIONS = (3, 250)
+
+
+def make_window(
+    buffer: int,
+    *,
+    n_compress: int = 48,
+    layers: int = 4,
+    seed: int = 0,
+    positions: tuple[int, int] = POSITIONS,
+    table: int = TABLE,
+) -> Window:
+    """2 sequences x ``layers`` x 2 KV heads (GQA group 2), d = 8; queries of every span token.
+
+    It carries what both backends give: values, the spans' first ``positions``, a RoPE
+    table of ``table`` positions and one stream seed per sequence. The queries and keys
+    are drawn first, so they are those of a window without the rest.
+    """
     gen = torch.Generator().manual_seed(seed)
     n = n_compress + buffer
     q = 1.5 * torch.randn(2, layers, 4, n, 8, generator=gen)
     k = 1.5 * torch.randn(2, layers, 2, n, 8, generator=gen)
-    return Window(q, k, n_compress)
+    v = torch.randn(2, layers, 2, n, 8, generator=gen) * torch.rand(2, layers, 2, n, 1, generator=gen)
+    rope = Rope.from_inv_freq(INV_FREQ.float(), table)
+    return Window(q, k, n_compress, (seed + 1, seed + 2), positions, v, rope)
 
 
 def kept_mask(selection: Selection, c: int) -> Tensor:
@@ -446,6 +470,136 @@ def lagkv_reference(window: Window, budget: int, params: Any) -> Tensor:
     return rows_to_mask(window, kept)
 
 
+# ------------------------------------- kvpress 0.5.5's scorers with values and RoPE
+
+
+def rope_matrix(position: int) -> Tensor:
+    """RoPE's rotation at ``position`` as kvpress builds it (``apply_avg_rope``), fp64:
+    ``R = cos * I + sin * P`` with ``P = [[0, -I], [I, 0]]`` and the halves' angles repeated."""
+    angles = position * INV_FREQ
+    cos, sin = torch.cat([angles.cos()] * 2), torch.cat([angles.sin()] * 2)
+    d = len(cos)
+    eye, p = torch.eye(d, dtype=torch.float64), torch.zeros(d, d, dtype=torch.float64)
+    p[d // 2 :, : d // 2], p[: d // 2, d // 2 :] = torch.eye(d // 2), -torch.eye(d // 2)
+    return cos * eye + sin * p
+
+
+def pre_rope(x: Tensor, first: int) -> Tensor:
+    """``x`` ``[H, T, D]`` at positions ``first, first + 1, ...`` rotated back: ``R_p^T x``, fp64."""
+    rotations = torch.stack([rope_matrix(first + t) for t in range(x.shape[1])])  # [T, D, D]
+    return torch.einsum("tji,htj->hti", rotations, x.double())
+
+
+def zscore(s: Tensor) -> Tensor:
+    """kvpress's ``(s - s.mean()) / s.std().clamp_min(1e-6)``, over a layer's whole tensor."""
+    return (s - s.mean()) / s.std().clamp_min(1e-6)
+
+
+def noncausal_attn_z(window: Window, bi: int, li: int) -> Tensor:
+    """``NonCausalAttnPress.score`` on one chunk, the window: ``[Hkv, C]`` z-scores.
+
+    Unscaled logits (kvpress has no ``1 / sqrt(d)``), column sums over every query, the
+    group's mean, times ``||v||``, pooled with 3 along the span, z-scored over the layer.
+    """
+    q, k, v = window.queries[bi, li].double(), window.keys[bi, li].double(), window.values[bi, li].double()
+    hq, hkv, n = q.shape[0], k.shape[0], k.shape[1]
+    krep = k.repeat_interleave(hq // hkv, dim=0)
+    a = (q @ krep.transpose(1, 2)).softmax(-1).sum(1).view(hkv, hq // hkv, n).mean(1)
+    scores = torch.stack([avg_pool(row, 3) for row in a * v.norm(dim=-1)])
+    return zscore(scores[:, : window.n_compress])
+
+
+def noncausal_attn_reference(window: Window, budget: int, params: Any) -> Tensor:
+    def kept(bi: int, li: int) -> list[list[int]]:
+        return [top(row, budget) for row in noncausal_attn_z(window, bi, li)]
+
+    return rows_to_mask(window, kept)
+
+
+def leverage(window: Window, bi: int, li: int, sketch_dimension: int) -> Tensor:
+    """``LeverageScorePress.compute_leverage_scores`` on the span's pre-RoPE keys: ``[Hkv, N]``.
+
+    The sketch is the one the method documents: sequence ``bi``'s ``[L, Hkv, d, k]``
+    standard normals from a CPU generator seeded with its stream seed, over ``sqrt(k)``.
+    The first jitter, 1e-2, makes the Gram matrix invertible, so it is inverted directly.
+    """
+    _, layers, hkv, _, d = window.keys.shape
+    gen = torch.Generator().manual_seed(window.seeds[bi])
+    phi = torch.randn((layers, hkv, d, sketch_dimension), generator=gen)[li].double() / math.sqrt(sketch_dimension)
+    keys = pre_rope(window.keys[bi, li], window.positions[bi])
+    x = (keys - keys.mean(dim=1, keepdim=True)) @ phi  # [Hkv, N, k]
+    gram = x.transpose(1, 2) @ x + 1e-2 * torch.eye(sketch_dimension, dtype=torch.float64)
+    return torch.stack([torch.diag(xh @ torch.linalg.inv(gh) @ xh.T) for xh, gh in zip(x, gram, strict=True)]).clamp(
+        min=0
+    )
+
+
+def compactor_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """``CompactorPress.score`` without sinks: ``blending * z(leverage) + z(non-causal)``,
+    blending ``1 - m / C`` (kvpress's compression ratio) unless set."""
+    c = window.n_compress
+    blending = params.blending if params.blending is not None else 1 - budget / c
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        lev = zscore(leverage(window, bi, li, params.sketch_dimension)[:, :c])
+        return [top(row, budget) for row in blending * lev + noncausal_attn_z(window, bi, li)]
+
+    return rows_to_mask(window, kept)
+
+
+def expected_attention_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """``ExpectedAttentionPress.score`` without sinks, per query head: the pre-RoPE
+    queries' mean and covariance, rotated by the mean ``R`` over the positions after the
+    span that the RoPE table holds (its last row when none), the expected logits'
+    softmax over the span, the group's mean, ``(a + epsilon) * ||v||``."""
+    c = window.n_compress
+    n_rows = window.rope.cos_sin.shape[0]
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        q, k, v = window.queries[bi, li], window.keys[bi, li].double(), window.values[bi, li].double()
+        hq, nq, d = q.shape
+        hkv, n = k.shape[:2]
+        first = window.positions[bi]
+        pre = pre_rope(q, first + n - nq)
+        mu = pre.mean(1)  # [Hq, D]
+        centred = pre - mu.unsqueeze(1)
+        cov = centred.transpose(1, 2) @ centred / nq
+        future = [t for t in range(first + n, first + n + params.n_future_positions) if t < n_rows] or [n_rows - 1]
+        r = torch.stack([rope_matrix(t) for t in future]).mean(0)
+        krep = k.repeat_interleave(hq // hkv, dim=0)
+        logits = (mu @ r.T).unsqueeze(1) @ krep.transpose(1, 2) / math.sqrt(d)  # [Hq, 1, N]
+        logits = logits.squeeze(1)
+        if params.use_covariance:
+            logits += torch.einsum("hni,hij,hnj->hn", krep, r @ cov @ r.T, krep) / d / 2
+        s = logits.softmax(-1).view(hkv, hq // hkv, n).mean(1)[:, :c]
+        if params.use_vnorm:
+            s = (s + params.epsilon) * v[:, :c].norm(dim=-1)
+        return [top(row, budget) for row in s]
+
+    return rows_to_mask(window, kept)
+
+
+def kara_value_reference(vnorm: bool, pooled: bool) -> Reference:
+    """Kara's spec scores over the span, times ``||v||`` (kara-vnorm), then avg-pooled along
+    the span (kara-pool), then the candidates' Token2Chunk (kara-vpool: both)."""
+
+    def reference(window: Window, budget: int, params: Any) -> Tensor:
+        def kept(bi: int, li: int) -> list[list[int]]:
+            q, k = window.queries[bi, li], window.keys[bi, li]
+            hkv, n = k.shape[:2]
+            s = attention(q, k, causal=False).sum(1).view(hkv, -1, n).sum(1)  # [Hkv, N]
+            if vnorm:
+                s = s * window.values[bi, li].norm(dim=-1)
+            if pooled:
+                s = torch.stack([avg_pool(row, params.pool_kernel) for row in s])
+            s = s[:, : window.n_compress]
+            return token2chunk(s, budget, params.rho, params.beta, params.max_gap).tolist()
+
+        return rows_to_mask(window, kept)
+
+    return reference
+
+
 def exact(reference: Reference) -> Check:
     def check(method: Method, window: Window, budget: int) -> None:
         ours = kept_mask(method.select(window, budget), window.n_compress)
@@ -495,6 +649,12 @@ REFERENCES: dict[str, Check] = {
     "keydiff": exact(keydiff_reference),
     "tova": exact(tova_reference),
     "lagkv": exact(lagkv_reference),
+    "noncausal-attn": exact(noncausal_attn_reference),
+    "compactor": exact(compactor_reference),
+    "expected-attention": exact(expected_attention_reference),
+    "kara-vnorm": exact(kara_value_reference(vnorm=True, pooled=False)),
+    "kara-pool": exact(kara_value_reference(vnorm=False, pooled=True)),
+    "kara-vpool": exact(kara_value_reference(vnorm=True, pooled=True)),
     "random": random_is_reproducible,
 }
 
@@ -606,3 +766,93 @@ def test_lagkv_with_its_knobs_moved(lag_size: int, buffer: int, cross_scoring: b
         window = make_window(buffer, seed=lag_size + budget)
         params = {"lag_size": lag_size, "cross_scoring": cross_scoring}
         REFERENCES["lagkv"](build("lagkv", params, window), window, budget)
+
+
+VALUE_AWARE = ("noncausal-attn", "compactor", "expected-attention", "kara-vnorm", "kara-pool", "kara-vpool")
+
+
+@pytest.mark.parametrize("name", VALUE_AWARE)
+def test_value_aware_methods_with_queries_of_the_last_tokens_only(name: str) -> None:
+    """A threshold round's span: queries for its last 20 tokens, at their own positions."""
+    for budget in (5, 30):
+        full = make_window(BUFFER, seed=60 + budget)
+        window = dataclasses.replace(full, queries=full.queries[..., -20:, :])
+        REFERENCES[name](build(name, {}, window), window, budget)
+
+
+@pytest.mark.parametrize("params", [{"sketch_dimension": 3}, {"sketch_dimension": 5, "blending": 2.0}])
+def test_compactor_with_a_sketch_narrower_than_the_head(params: dict[str, Any]) -> None:
+    """With k >= d the sketch spans the keys' space and the leverage does not depend on
+    it; below d it does, so these check the draw from each sequence's seed."""
+    for budget in (5, 13, 30):
+        window = make_window(BUFFER, seed=70 + budget)
+        REFERENCES["compactor"](build("compactor", params, window), window, budget)
+
+
+def test_compactor_draws_from_the_sequences_seed() -> None:
+    window = make_window(BUFFER, seed=9)
+    method = build("compactor", {"sketch_dimension": 3}, window)
+
+    def kept(seeds: tuple[int, int]) -> Tensor:
+        return kept_mask(method.select(dataclasses.replace(window, seeds=seeds), 13), window.n_compress)
+
+    first = kept((11, 12))
+    assert torch.equal(first, kept((11, 12)))
+    other = kept((11, 13))
+    assert torch.equal(first[0], other[0]) and not torch.equal(first[1], other[1])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"use_covariance": False},
+        {"use_vnorm": False},
+        {"epsilon": 0.05, "n_future_positions": 7},
+        {"n_future_positions": 1, "use_covariance": False, "use_vnorm": False},
+    ],
+)
+def test_expected_attention_with_its_knobs_moved(params: dict[str, Any]) -> None:
+    for budget in (5, 13, 30):
+        window = make_window(BUFFER, seed=80 + budget)
+        REFERENCES["expected-attention"](build("expected-attention", params, window), window, budget)
+
+
+@pytest.mark.parametrize(
+    "table",
+    # Sequence 1's span ends at 313: 400 holds 86 of its 512 future positions (and 333 of
+    # sequence 0's); 314 none of sequence 1's (the table's last row stands in).
+    [400, 314],
+)
+def test_expected_attention_at_the_end_of_the_rope_table(table: int) -> None:
+    for budget in (5, 30):
+        window = make_window(BUFFER, seed=90 + budget, table=table)
+        REFERENCES["expected-attention"](build("expected-attention", {}, window), window, budget)
+
+
+@pytest.mark.parametrize("name", ["noncausal-attn", "compactor", "expected-attention"])
+def test_a_sequence_is_selected_as_if_alone(name: str) -> None:
+    """kvpress normalises and jitters a layer over its whole batch; here each sequence on
+    its own, so an hf batch and a vLLM group that differ still agree per sequence."""
+    window = make_window(BUFFER, seed=11)
+    method = build(name, {"sketch_dimension": 3} if name == "compactor" else {}, window)
+    both = method.select(window, 13).indices
+    for bi in range(2):
+        alone = Window(
+            window.queries[bi : bi + 1],
+            window.keys[bi : bi + 1],
+            window.n_compress,
+            window.seeds[bi : bi + 1],
+            window.positions[bi : bi + 1],
+            window.values[bi : bi + 1],
+            window.rope,
+        )
+        assert torch.equal(method.select(alone, 13).indices[0], both[bi])
+
+
+@pytest.mark.parametrize(("name", "params"), [("kara-vnorm", {}), ("kara-pool", {"pool_kernel": 1})])
+def test_value_aware_kara_reduces_to_kara(name: str, params: dict[str, Any]) -> None:
+    """The ablations: with equal value norms, or a pooling kernel of 1, the set is Kara's."""
+    window = make_window(BUFFER, seed=12)
+    window = dataclasses.replace(window, values=window.values / window.values.norm(dim=-1, keepdim=True))
+    ours = build(name, params, window).select(window, 13)
+    assert torch.equal(ours.indices, build("kara", {}, window).select(window, 13).indices)
