@@ -96,6 +96,19 @@ class Policy(ABC):
     def plan(self, state: SeqState) -> Region | None:
         """The region to compress now, after the sequence's latest decode step, if any."""
 
+    def catch_up(self, state: SeqState) -> Region | None:
+        """The region to compress now in a sequence being recomputed (after preemption).
+
+        A recomputation writes many tokens a step, so the period does not apply; the
+        rest of the rule is :meth:`plan`'s.
+        """
+        return self.plan(state)
+
+    def recompute_stop(self, state: SeqState) -> int | None:
+        """The logical length at which a recomputation pauses for :meth:`catch_up`, or
+        ``None`` when it need not (its round's queries are the last ones computed)."""
+        return None
+
     def commit(self, state: SeqState, region: Region) -> None:
         """Update ``state`` once the backend has compacted ``region``."""
         state.length -= region.freed
@@ -115,11 +128,23 @@ class PeriodicWindowPolicy(Policy):
     """
 
     def plan(self, state: SeqState) -> Region | None:
+        if state.decode_steps % self.config.period:
+            return None
+        return self.catch_up(state)
+
+    def catch_up(self, state: SeqState) -> Region | None:
         cfg = self.config
         span = cfg.window + cfg.buffer
-        if state.decode_steps % cfg.period or state.tail < span:
+        if state.tail < span:
             return None
         return Region(state.tail_start, cfg.window, span, span, cfg.budget)
+
+    def recompute_stop(self, state: SeqState) -> int | None:
+        """The end of the tail's first window: the round that compresses it needs the
+        queries of all W + b of its tokens, and the query ring holds only the last
+        W + b + P computed."""
+        dropped = state.logical_length - state.length
+        return state.tail_start + dropped + self.config.window + self.config.buffer
 
 
 class ThresholdPolicy(Policy):

@@ -174,15 +174,22 @@ class CompressingCPUModelRunner(CPUModelRunner):
         return out
 
     def _publish_capture(self, req_ids: list[str], compressible: np.ndarray) -> None:
-        """Decode rows of compressible requests, and where their queries go."""
+        """Rows of compressible requests, and where their queries go: a decode token, or
+        the last R tokens of a recomputation's chunk (the ring keeps R; an earlier one
+        would be overwritten in the same copy, whose order is undefined)."""
         qsl = self.query_start_loc.np[: len(req_ids) + 1]
-        batch_rows = np.flatnonzero(compressible & (qsl[1:] - qsl[:-1] == 1))
-        if len(batch_rows):
+        reqs = np.flatnonzero(compressible)
+        if len(reqs):
             ring = self.kv_ring
-            # Ring slots in batch order, as before: a request gets its slot at its first decode row.
-            slots = np.fromiter((ring.slot(req_ids[i]) for i in batch_rows), dtype=np.int64, count=len(batch_rows))
-            positions = self.input_batch.num_computed_tokens_cpu[batch_rows]
-            CAPTURE.publish(ring, slots, positions, qsl[batch_rows])
+            lengths = (qsl[reqs + 1] - qsl[reqs]).astype(np.int64)
+            take = np.minimum(lengths, ring.ring)
+            # Ring slots in batch order, as before: a request gets its slot at its first captured row.
+            slots = np.fromiter((ring.slot(req_ids[i]) for i in reqs), dtype=np.int64, count=len(reqs))
+            # Token j of request i's taken rows is its row's token lengths[i] - take[i] + j.
+            ends = np.cumsum(take)
+            within = np.arange(ends[-1]) - np.repeat(ends - take, take) + np.repeat(lengths - take, take)
+            positions = np.repeat(self.input_batch.num_computed_tokens_cpu[reqs], take) + within
+            CAPTURE.publish(ring, np.repeat(slots, take), positions, np.repeat(qsl[reqs], take) + within)
 
     # -- compaction ----------------------------------------------------------------
     def _compact(self, compactions: list[Compaction]) -> None:

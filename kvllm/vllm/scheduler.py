@@ -35,6 +35,8 @@ from kvllm.vllm.settings import check_vllm_config, request_config
 logger = logging.getLogger(__name__)
 DROPPED = "kvllm_dropped"
 CONFIG = "kvllm_config"
+# Set on a preempted request: its recomputation compresses its generated tokens again.
+RECOMPUTE = "kvllm_recompute"
 
 
 def block_pool_used(scheduler: Scheduler) -> int:
@@ -186,6 +188,10 @@ class CompressingScheduler(Scheduler):
         finally:
             self.max_num_active_reqs = limit
         if plan is not None:
+            for req_id in output.num_scheduled_tokens:
+                # A recomputation's first chunk: the worker captures its queries too.
+                if getattr(self.requests[req_id], RECOMPUTE, False):
+                    plan.dropped.setdefault(req_id, getattr(self.requests[req_id], DROPPED, 0))
             # A request preempted in this very schedule() lost its blocks: nothing to compact.
             gone = output.preempted_req_ids or set()
             plan.compactions = [c for c in plan.compactions if c.req_id not in gone]
@@ -244,9 +250,11 @@ class CompressingScheduler(Scheduler):
         entry = self.kv_requests.get(request.request_id)
         if entry is None:
             config = self._config(request)
-            # Everything computed before decoding starts (the prompt, or all tokens of a
-            # request recomputed after preemption) is protected: its queries were not kept.
-            state = SeqState(prompt_len=request.num_computed_tokens)
+            # Everything computed before decoding starts is protected: its queries were not
+            # kept. A recomputation after preemption keeps them (docs/design.md,
+            # "Compression after preemption"): only its prompt is protected.
+            recompute = getattr(request, RECOMPUTE, False)
+            state = SeqState(prompt_len=request.num_prompt_tokens if recompute else request.num_computed_tokens)
             entry = RequestCompression(config, None if config is None else build_policy(config), state)
             self.kv_requests[request.request_id] = entry
         return entry
@@ -254,8 +262,9 @@ class CompressingScheduler(Scheduler):
     def _plan(self) -> StepPlan:
         plan = StepPlan()
         for request in self.running:
-            if request.num_computed_tokens < request.num_tokens - 1:
-                continue  # still prefilling
+            prefilling = request.num_computed_tokens < request.num_tokens - 1
+            if prefilling and not getattr(request, RECOMPUTE, False):
+                continue  # a prompt's prefill: nothing to compress yet
             entry = self._tracked(request)
             if entry.policy is None:
                 continue
@@ -263,7 +272,7 @@ class CompressingScheduler(Scheduler):
             state = entry.state
             state.logical_length = request.num_computed_tokens
             state.length = request.num_computed_tokens - dropped
-            region = entry.policy.plan(state)
+            region = entry.policy.catch_up(state) if prefilling else entry.policy.plan(state)
             if region is not None:
                 seed = stream_seed(request.prompt_token_ids or (), state.rounds)
                 plan.compactions.append(
@@ -331,10 +340,33 @@ class CompressingScheduler(Scheduler):
         if self.kv_publisher is not None:
             self.kv_publisher.close()
 
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        # vLLM's last cap on a prefill chunk, in both its running and waiting loops: the
+        # one place a chunk's length can be cut per request.
+        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        stop = self._recompute_stop(request)
+        if stop is not None and num_computed_tokens < stop < num_computed_tokens + num_new_tokens:
+            return stop - num_computed_tokens
+        return num_new_tokens
+
+    def _recompute_stop(self, request: Request) -> int | None:
+        """Where a recomputing request's chunk must end for its next catch-up round."""
+        if self.kv_config is None or not getattr(request, RECOMPUTE, False):
+            return None
+        entry = self.kv_requests.get(request.request_id)
+        if entry is None:  # its first chunk: nothing compressed yet
+            config = self._config(request)
+            if config is None:
+                return None
+            return build_policy(config).recompute_stop(SeqState(prompt_len=request.num_prompt_tokens))
+        return None if entry.policy is None else entry.policy.recompute_stop(entry.state)
+
     def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, timestamp, *args, **kwargs)
-        # Preemption recomputes from token 0 with a full cache: start compression afresh.
+        # Preemption recomputes from token 0 with a full cache: start compression afresh,
+        # window by window over what it had generated.
         setattr(request, DROPPED, 0)
+        setattr(request, RECOMPUTE, True)
         self.kv_requests.pop(request.request_id, None)
         self.kv_totals.preemptions += 1
 

@@ -105,6 +105,40 @@ def test_more_requests_run_concurrently_under_a_small_pool(tiny_model: str) -> N
     assert len(kara["running"]) < len(full["running"])
 
 
+def test_a_recomputed_request_compresses_its_generated_tokens_again(tiny_model: str) -> None:
+    """After preemption, the recomputation runs in window-sized chunks with a round after
+    each (docs/design.md, "Compression after preemption"): once it decodes again, it holds
+    at most what it held when preempted, plus what it has written since, plus one window.
+    Without catch-up it would hold every recomputed token."""
+    from kvllm.vllm.scheduler import DROPPED
+
+    with engine(tiny_model, KARA, num_gpu_blocks_override=24) as llm:
+        eng, sched = llm.llm.llm_engine, scheduler(llm)
+        before: dict[str, tuple[int, int]] = {}
+        preempt = sched._preempt_request
+
+        def recording(request: Any, *args: Any, **kwargs: Any) -> None:
+            n = request.num_computed_tokens
+            before[request.request_id] = (n, n - getattr(request, DROPPED, 0))
+            preempt(request, *args, **kwargs)
+
+        sched._preempt_request = recording
+        for i, p in enumerate(PROMPTS[:16]):
+            eng.add_request(str(i), p, greedy(240))
+        caught_up = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            for request in sched.running:
+                n = request.num_computed_tokens
+                if request.request_id in before and n >= request.num_tokens - 1:
+                    logical, physical = before.pop(request.request_id)
+                    held = n - getattr(request, DROPPED, 0)
+                    assert held <= physical + (n - logical) + KARA.window, (request.request_id, logical, physical, n)
+                    caught_up.append(n - request.num_prompt_tokens)
+        # Some came back with several windows of generated tokens to compress.
+        assert max(caught_up) > 3 * (KARA.window + KARA.buffer)
+
+
 def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str) -> None:
     with engine(tiny_model, KARA, num_gpu_blocks_override=24) as llm:
         result = _step_all(llm, PROMPTS, greedy(200), abort_at={0: 3, 5: 40, 9: 90, 17: 150})
