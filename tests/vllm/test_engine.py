@@ -65,10 +65,15 @@ def test_keep_all_matches_vanilla_under_preemption(tiny_model: str) -> None:
     assert all(o.compression is not None for o in outs)
 
 
-@pytest.mark.parametrize(("method", "period"), [("kara", 1), ("kara", 16), ("snapkv", 16), ("random", 4)])
+@pytest.mark.parametrize(
+    ("method", "period"),
+    [("kara", 1), ("kara", 16), ("snapkv", 16), ("random", 4), ("compactor", 4), ("expected-attention", 4)],
+)
 def test_vllm_path_selects_like_the_hf_reference(tiny_model: str, method: str, period: int) -> None:
     """fp32, retention 0.25: both backends count P in a sequence's own decode steps, so
-    they compress at the same tokens, and draw the same random indices, whatever P."""
+    they compress at the same tokens, and draw the same random indices, whatever P.
+    compactor and expected-attention read what else a window carries (values, positions,
+    the RoPE table and, for compactor's sketch, the seeds): both backends give the same."""
     config = CompressionConfig(method=method, window=32, buffer=8, period=period, retention=0.25)
     prompts = PROMPTS[:6]
     with engine(tiny_model, config) as llm:
