@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kvllm import CompressionConfig
@@ -112,3 +113,69 @@ def test_generate_takes_method_params_and_rejects_bad_ones(tiny: Path, monkeypat
     assert bad.exit_code != 0 and "CompressionConfig.params.rho=2" in bad.output
     malformed = runner.invoke(app, [*args, "--param", "rho"])
     assert malformed.exit_code != 0 and "KEY=VALUE" in malformed.output
+
+
+def test_calibrate_writes_the_models_filters(tiny: Path, tmp_path: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvllm.eval.tasks import TRAIN_SEEDS, make_task
+    from kvllm.hf.calibrate import q_filters
+
+    out = tmp_path / "cal" / "q_filters.safetensors"
+    result = runner.invoke(app, ["calibrate", str(tiny), "--out", str(out), "--n", "4", "--family", "trace,gen-needle"])
+    assert result.exit_code == 0, result.output
+    with safe_open(str(out), framework="pt") as f:
+        filters, metadata = f.get_tensor("q_filters"), f.metadata()
+    # save_tiny_model's shape: 2 layers, 2 KV heads of 16 dims.
+    assert filters.shape == (2, 2, 16)
+    assert (metadata["num_layers"], metadata["num_kv_heads"], metadata["head_dim"]) == ("2", "2", "16")
+    assert metadata["model"] == str(tiny)
+    tasks = json.loads(metadata["tasks"])
+    assert tasks == [["trace", 1_000_000], ["gen-needle", 1_000_001], ["trace", 1_000_002], ["gen-needle", 1_000_003]]
+    assert all(seed in TRAIN_SEEDS for _, seed in tasks)
+    # The filters are those of the model's queries on exactly those texts.
+    tok, lm = AutoTokenizer.from_pretrained(tiny), AutoModelForCausalLM.from_pretrained(tiny)
+    inputs = [tok(make_task(family, seed).text, return_tensors="pt")["input_ids"][0] for family, seed in tasks]
+    assert metadata["tokens"] == str(sum(len(ids) for ids in inputs))
+    torch.testing.assert_close(filters, q_filters(lm, inputs))
+    bad = runner.invoke(app, ["calibrate", str(tiny), "--out", str(out), "--family", "nope"])
+    assert bad.exit_code != 0 and "--family 'nope' is invalid" in bad.output
+
+
+def test_calibration_flags_set_the_methods_param(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvllm serve --kv-calibration` and `kvllm eval --calibration` set qfilter's
+    ``calibration``, as ``--kv-param``/``--param`` would; eval gives it to no other method."""
+    import sys
+    import types
+
+    from kvllm.eval import grid
+    from kvllm.methods.qfilter import save_calibration
+
+    path = tmp_path / "q_filters.safetensors"
+    save_calibration(path, torch.zeros(2, 2, 16), {})
+    served: list[CompressionConfig] = []
+    fake = types.ModuleType("kvllm.vllm.server")
+    fake.serve = lambda compression, *_args, **_kwargs: served.append(compression)
+    monkeypatch.setitem(sys.modules, "kvllm.vllm.server", fake)
+    result = runner.invoke(app, ["serve", "--kv-compression", "qfilter", "--kv-calibration", str(path)])
+    assert result.exit_code == 0, result.output
+    assert served[0].method == "qfilter" and served[0].params == {"calibration": str(path)}
+    missing = runner.invoke(app, ["serve", "--kv-compression", "qfilter"])
+    assert missing.exit_code != 0 and "CompressionConfig.params.calibration=''" in missing.output
+
+    grids: list[dict] = []
+
+    def run_grid(*_args: object, params: dict, **_kwargs: object) -> None:
+        grids.append(params)
+        raise SystemExit(0)  # the grid itself is not what is tested
+
+    monkeypatch.setattr(grid, "run_grid", run_grid)
+    args = ["eval", "--model", str(tiny), "--out", str(tmp_path / "eval"), "--n", "1", "--steps", "2"]
+    result = runner.invoke(app, [*args, "--method", "qfilter,kara", "--calibration", str(path), "--retention", "0.2"])
+    assert result.exit_code == 0, result.output
+    assert grids == [{"qfilter": {"calibration": str(path)}, "kara": {}}]
+    unused = runner.invoke(app, [*args, "--method", "kara", "--calibration", str(path)])
+    assert unused.exit_code != 0 and "no method among --method reads one" in unused.output

@@ -8,6 +8,7 @@ from __future__ import annotations
 import typer
 
 from kvllm.cli.bench import bench_selection, bench_serve, bench_soak, bench_throughput
+from kvllm.cli.calibrate import calibrate
 from kvllm.cli.evaluate import evaluate
 from kvllm.cli.generate import generate
 from kvllm.cli.serve import serve
@@ -17,6 +18,7 @@ bench_app = typer.Typer(help="Benchmarks (speed targets live here, not in unit t
 app.add_typer(bench_app, name="bench")
 app.command()(generate)
 app.command("eval")(evaluate)
+app.command()(calibrate)
 # Unknown flags pass through to vLLM.
 app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, options_metavar="[MODEL] [OPTIONS]"

@@ -25,6 +25,7 @@ from kvllm.cli.options import (
 )
 from kvllm.eval.grid import ORACLE
 from kvllm.eval.tasks import FAMILIES
+from kvllm.methods import available, calibrated
 
 
 def evaluate(
@@ -32,7 +33,9 @@ def evaluate(
         "eval-results"
     ),
     model: Model = None,
-    method: Annotated[list[str], typer.Option(help="Methods (repeatable or comma-separated).")] = METHODS,
+    method: Annotated[
+        list[str], typer.Option(help="Methods (repeatable or comma-separated); default: all but qfilter.")
+    ] = METHODS,
     retention: Annotated[list[str], typer.Option(help="Retentions (1.0 = Full KV; repeatable, commas).")] = RETENTIONS,
     family: Annotated[
         list[str], typer.Option(help="Task families (repeatable or comma-separated); 'reason' too, by name.")
@@ -57,6 +60,9 @@ def evaluate(
     param: Annotated[
         list[str] | None,
         typer.Option(help="A method parameter, KEY=VALUE for every method or METHOD:KEY=VALUE for one (repeatable)."),
+    ] = None,
+    calibration: Annotated[
+        Path | None, typer.Option(help="The model's `kvllm calibrate` file, for the methods that read one (qfilter).")
     ] = None,
     teacher_forced: Annotated[
         bool, typer.Option(help="Force Full KV's completions through each method (method 'oracle' allowed).")
@@ -89,6 +95,12 @@ def evaluate(
         raise typer.BadParameter("--method oracle is invalid without --teacher-forced: it needs the forced future")
     base = make_config(window=window, buffer=buffer, period=period)
     params = method_params(parse_params(param), methods)
+    if calibration is not None:
+        with_file = [m for m in methods if m in available() and calibrated(m)]
+        if not with_file:
+            raise typer.BadParameter(f"--calibration {calibration} is invalid: no method among --method reads one")
+        for m in with_file:
+            params[m]["calibration"] = str(calibration)
     for m, r in ((m, r) for m in methods if m != ORACLE for r in retentions):
         make_config(method=m, retention=r, window=window, buffer=buffer, period=period, params=params[m])
     first_seed = _first_seed(split_, test_seeds, dev_seeds, n)

@@ -22,12 +22,13 @@ from kvllm.bench.throughput import SYSTEMS
 from kvllm.config import POLICIES, CompressionConfig
 from kvllm.eval.grid import DEFAULT_RETENTIONS
 from kvllm.eval.tasks import TRACE_FAMILIES
-from kvllm.methods import available
+from kvllm.methods import available, calibrated
 
 console = Console()
 D = CompressionConfig()
 # List defaults, as module-level values (typer reads them; nothing mutates them).
-METHODS = available()
+# Every method that runs without a per-model calibration file (qfilter needs one).
+METHODS = [m for m in available() if not calibrated(m)]
 RETENTIONS = [",".join(str(r) for r in DEFAULT_RETENTIONS)]
 TASK_FAMILIES = list(TRACE_FAMILIES)
 ALL_SYSTEMS = list(SYSTEMS)

@@ -29,6 +29,9 @@ def serve(
     kv_period: Period = D.period,
     kv_policy: Policy = D.policy,
     kv_param: Param = None,
+    kv_calibration: Annotated[
+        str | None, typer.Option(help="The model's `kvllm calibrate` file, for --kv-compression qfilter.")
+    ] = None,
     kv_admission: Annotated[
         str, typer.Option(help="vllm (vLLM's rule) or projected (no preemption among compressing requests).")
     ] = D.admission,
@@ -52,9 +55,12 @@ def serve(
 
     compression = None
     if kv_compression != "none":
+        params = parse_params(kv_param)
+        if kv_calibration is not None:
+            params["calibration"] = kv_calibration  # the same as --kv-param calibration=PATH
         compression = make_config(
             method=kv_compression, retention=kv_retention, window=kv_window, buffer=kv_buffer, period=kv_period,
-            policy=kv_policy, params=parse_params(kv_param), admission=kv_admission,
+            policy=kv_policy, params=params, admission=kv_admission,
         )  # fmt: skip
     # The model is left in the flags: only vLLM's parser knows which flags take a value,
     # so it alone can tell MODEL from the value of a flag (`--port 8000`).

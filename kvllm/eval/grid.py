@@ -27,7 +27,7 @@ from kvllm.eval.problems import Problem
 FULL = "full"
 ORACLE = "oracle"
 MODES = ("free", "teacher-forced")
-# Methods default to every registered one (kvllm.methods.available()).
+# Methods default to every registered one that needs no calibration file (kvllm.cli.options.METHODS).
 DEFAULT_RETENTIONS = (0.1, 0.2, 0.3, 0.5, 1.0)
 
 

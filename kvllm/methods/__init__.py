@@ -15,6 +15,7 @@ from kvllm.methods import (  # noqa: F401
     lagkv,
     noncausal_attn,
     pyramidkv,
+    qfilter,
     random_keep,
     rkv,
     snapkv,
@@ -28,8 +29,19 @@ from kvllm.methods.base import (
     Window,
     available,
     build,
+    calibrated,
     method_class,
     stream_seed,
 )
 
-__all__ = ["Method", "MethodParams", "Selection", "Window", "available", "build", "method_class", "stream_seed"]
+__all__ = [
+    "Method",
+    "MethodParams",
+    "Selection",
+    "Window",
+    "available",
+    "build",
+    "calibrated",
+    "method_class",
+    "stream_seed",
+]

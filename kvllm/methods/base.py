@@ -216,6 +216,15 @@ def method_class(name: str) -> type[Method]:
     return _REGISTRY[name]
 
 
+def calibrated(name: str) -> bool:
+    """Whether method ``name`` reads a per-model calibration file (``kvllm calibrate``).
+
+    Such a method's ``Params`` names the file in a ``calibration`` field, with no usable
+    default: the file belongs to one model, so the user must give it.
+    """
+    return any(f.name == "calibration" for f in dataclasses.fields(method_class(name).Params))
+
+
 class Configured(Protocol):
     """What :func:`build` reads of a :class:`~kvllm.config.CompressionConfig`: named here,
     not imported, since the config imports this module and the dependency runs one way."""

@@ -1,14 +1,16 @@
-"""LagKV: score each partition of keys by how it looks in the range of the next one.
+"""LagKV: score each partition of keys and values by how they look in the range of the next one.
 
 Liang et al., "LagKV: Lag-Relative Information of the KV Cache Tells Which Tokens Are
 Important", 2025, arXiv:2504.04704. Reference read: kvpress 0.5.5,
 ``kvpress/presses/lagkv_press.py`` (``LagKVPress.score`` and ``_get_states_score``).
-Per (sequence, layer, KV head), in fp32, with partitions of ``L = lag_size`` keys
-``P_p = [p L, (p + 1) L)`` from the span's first key::
+Per (sequence, layer, KV head), in fp32, with partitions of ``L = lag_size`` tokens
+``P_p = [p L, (p + 1) L)`` from the span's first token, and ``x`` standing for the keys
+``k`` and for the values ``v`` in turn::
 
-    r_i   = (k_i - min_{j in P_p+1} k_j) / (max_{j in P_p+1} k_j - min_{j in P_p+1} k_j)
-    s_i   = softmax_{i in P_p}(std(r_i))            # std over the d channels
-    s_i   = rank of s_i within P_p / L               # unless cross_scoring
+    r_i(x) = (x_i - min_{j in P_p+1} x_j) / (max_{j in P_p+1} x_j - min_{j in P_p+1} x_j)
+    s_i(x) = softmax_{i in P_p}(std(r_i(x)))         # std over the d channels
+    s_i    = (s_i(k) + s_i(v)) / 2                   # kvpress's mean of the two halves
+    s_i    = rank of s_i within P_p / L               # unless cross_scoring
 
 for every partition with a whole partition after it in the span (its reference, the
 "lag"); a token of the area in no such partition scores 1, as kvpress's always-kept
@@ -16,9 +18,6 @@ tail does. Then the top-m of the compressible area, ties going to the later toke
 
 Where we differ, and why:
 
-- *Keys only.* kvpress averages this score over the keys and over the values; a window
-  carries queries and keys only, so the value half is left out and the ranking is the
-  keys'.
 - *No sinks.* kvpress keeps its first ``n_sink = 4`` tokens; a sequence's sinks are in
   its prompt, which is never compressed (as in ``streamingllm``), and a window's first
   tokens are nothing special, so partitions start at the span's first key.
@@ -56,8 +55,8 @@ class LagKVParams(MethodParams):
     """Attributes
     ----------
     lag_size
-        L: keys per partition, each scored against the next, in [2, W] (a reference of
-        one key has no range); 32, the default buffer (kvpress: 128, see above).
+        L: tokens per partition, each scored against the next, in [2, W] (a reference
+        of one token has no range); 32, the default buffer (kvpress: 128, see above).
     cross_scoring
         Compare the softmax scores across partitions instead of ranking within each
         (kvpress's experimental option); False.
@@ -72,11 +71,23 @@ class LagKVParams(MethodParams):
             fail(f"{FIELD}.cross_scoring", self.cross_scoring, "must be true or false")
 
 
-def lagkv_scores(keys: Tensor, n_compress: int, lag_size: int, cross_scoring: bool) -> Tensor:
-    """LagKV scores of the first ``n_compress`` of ``keys`` ``[..., N, D]``: ``[..., C]`` fp32.
+def _partition_scores(states: Tensor, n_parts: int, lag_size: int) -> Tensor:
+    """kvpress's ``_get_states_score``: ``[..., n_parts, L]`` fp32 softmax shares of the
+    first ``n_parts`` partitions of ``states`` ``[..., N, D]``, each against the next."""
+    parts = states[..., : (n_parts + 1) * lag_size, :].float().unflatten(-2, (n_parts + 1, lag_size))
+    ref, target = parts[..., 1:, :, :], parts[..., :-1, :, :]
+    lo = ref.amin(dim=-2, keepdim=True)
+    spread = ref.amax(dim=-2, keepdim=True) - lo
+    relative = torch.where(spread > 0, (target - lo) / spread, 0.0)
+    return relative.std(dim=-1).softmax(dim=-1)
+
+
+def lagkv_scores(keys: Tensor, values: Tensor, n_compress: int, lag_size: int, cross_scoring: bool) -> Tensor:
+    """LagKV scores of the first ``n_compress`` tokens of ``keys`` and ``values``
+    ``[..., N, D]``: ``[..., C]`` fp32.
 
     Tokens in a partition with a whole partition after it in the span score in [0, 1)
-    (ranks) or (0, 1) (softmax, ``cross_scoring``); the others score 1.
+    (ranks) or (0, 1) (the halves' mean softmax share, ``cross_scoring``); the others score 1.
     """
     *lead, n, _ = keys.shape
     scores = torch.ones(*lead, n_compress, dtype=torch.float32, device=keys.device)
@@ -85,12 +96,8 @@ def lagkv_scores(keys: Tensor, n_compress: int, lag_size: int, cross_scoring: bo
     n_parts = min(n // lag_size - 1, -(-n_compress // lag_size))
     if n_parts <= 0:
         return scores
-    parts = keys[..., : (n_parts + 1) * lag_size, :].float().unflatten(-2, (n_parts + 1, lag_size))
-    ref, target = parts[..., 1:, :, :], parts[..., :-1, :, :]
-    lo = ref.amin(dim=-2, keepdim=True)
-    spread = ref.amax(dim=-2, keepdim=True) - lo
-    relative = torch.where(spread > 0, (target - lo) / spread, 0.0)
-    s = relative.std(dim=-1).softmax(dim=-1)  # [..., n_parts, L]
+    # Averaged before ranking, as kvpress does: a rank of each half would lose the margins.
+    s = (_partition_scores(keys, n_parts, lag_size) + _partition_scores(values, n_parts, lag_size)) / 2
     if not cross_scoring:
         s = s.argsort(dim=-1).argsort(dim=-1).float() / lag_size
     width = min(n_compress, n_parts * lag_size)
@@ -112,7 +119,8 @@ class LagKV(Method):
     Params = LagKVParams
 
     def select(self, window: Window, budget: int) -> Selection:
+        window.require("values", method=self.name)
         p = self.params
         c = window.n_compress
-        scores = lagkv_scores(window.keys, c, p.lag_size, p.cross_scoring)
+        scores = lagkv_scores(window.keys, window.values, c, p.lag_size, p.cross_scoring)
         return Selection(top_latest(scores, min(budget, c)))

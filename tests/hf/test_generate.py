@@ -11,7 +11,9 @@ from transformers import PreTrainedTokenizerFast
 
 from kvllm import CompressionConfig
 from kvllm.hf import generate
-from kvllm.methods import available, method_class
+from kvllm.hf.calibrate import q_filters
+from kvllm.methods import available, calibrated, method_class
+from kvllm.methods.qfilter import save_calibration
 from kvllm.policy import PeriodicWindowPolicy, SeqState
 from kvllm.testing import model_config, random_model
 
@@ -105,10 +107,22 @@ def test_compressed_generation_matches_masked_full_attention(tokenizer, arch: st
     assert logits[p - 1 :].argmax(-1).tolist() == got.token_ids[0]
 
 
-@pytest.mark.parametrize("method", available())
-def test_lengths_after_compression(tokenizer, method: str) -> None:
+@pytest.fixture(scope="module")
+def calibration(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The Q-Filters of the qwen3 4:2 model below, from its queries on the prompts."""
     model = _model(tokenizer, "qwen3", 4, 2)
-    cfg = CompressionConfig(method=method, window=32, buffer=8, period=4, retention=0.25)
+    inputs = [tokenizer(p, return_tensors="pt")["input_ids"][0] for p in PROMPTS]
+    path = tmp_path_factory.mktemp("calibration") / "q_filters.safetensors"
+    save_calibration(path, q_filters(model, inputs), {"model": "qwen3 4:2, seed 0"})
+    return str(path)
+
+
+@pytest.mark.parametrize("method", available())
+def test_lengths_after_compression(tokenizer, calibration: str, method: str) -> None:
+    model = _model(tokenizer, "qwen3", 4, 2)
+    # A method that reads a calibration file runs with the model's own.
+    params = {"calibration": calibration} if calibrated(method) else {}
+    cfg = CompressionConfig(method=method, window=32, buffer=8, period=4, retention=0.25, params=params)
     n = 200
     got = generate(model, tokenizer, PROMPTS, cfg, n, stop_at_eos=False)
     enc = tokenizer(PROMPTS)["input_ids"]

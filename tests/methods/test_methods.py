@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from kvllm import CompressionConfig
-from kvllm.methods import Window, available, build, method_class
+from kvllm.methods import Window, available, build, calibrated, method_class
 from kvllm.methods.pyramidkv import pyramid_budgets
+from kvllm.methods.qfilter import save_calibration
 from kvllm.methods.rope import Rope
 
 
@@ -36,12 +39,22 @@ def windows(draw: st.DrawFn) -> tuple[Window, int]:
     return Window(q, k, c, seeds, positions, v, rope), budget
 
 
+def _calibration_for(folder: Path, window: Window) -> str:
+    """A calibration file of seeded random filters of ``window``'s [L, Hkv, D], one per shape."""
+    _, layers, hkv, _, d = window.keys.shape
+    path = folder / f"{layers}x{hkv}x{d}.safetensors"
+    if not path.exists():
+        save_calibration(path, torch.randn(layers, hkv, d, generator=torch.Generator().manual_seed(d)), {})
+    return str(path)
+
+
 @pytest.mark.parametrize("name", available())
 @settings(max_examples=40, deadline=None)
 @given(case=windows())
-def test_selection_invariants(name: str, case: tuple[Window, int]) -> None:
+def test_selection_invariants(name: str, case: tuple[Window, int], tmp_path_factory: pytest.TempPathFactory) -> None:
     window, budget = case
-    selection = build(CompressionConfig(method=name)).select(window, budget)
+    params = {"calibration": _calibration_for(tmp_path_factory.getbasetemp(), window)} if calibrated(name) else {}
+    selection = build(CompressionConfig(method=name, params=params)).select(window, budget)
     idx, c = selection.indices, window.n_compress
     b, layers, hkv = window.keys.shape[:3]
     assert idx.dtype == torch.long and idx.shape[:3] == (b, layers, hkv)
@@ -163,29 +176,52 @@ def test_tova_follows_the_last_query_averaged_over_all_heads() -> None:
     assert _pick("kara-topk", window, 1)[0] == [0]
 
 
-def _lagkv_window() -> Window:
-    """Partitions of 4 keys: the area is [0, 4) and [4, 8), the buffer [8, 12).
+def _lagkv_window(keys: torch.Tensor, values: torch.Tensor) -> Window:
+    """One head of 12 tokens, the area the first 8: with partitions of 4, the area is
+    [0, 4) and [4, 8), the buffer [8, 12)."""
+    return Window(torch.zeros(1, 1, 1, 12, 4), keys[None, None, None], 8, values=values[None, None, None])
 
-    Keys 1 and 2, equal, leave the next partition's range far on both sides (a large
-    spread of relative values across channels); all other keys are near (1, 1, 1, 1).
-    """
-    keys = 1 + 0.1 * torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
-    keys[1] = keys[2] = torch.tensor([3.0, -3.0, 3.0, -3.0])
-    return _one_head(keys, torch.zeros(12, 4), n_compress=8)
+
+def _lagkv_noise() -> torch.Tensor:
+    """Twelve tokens near (1, 1, 1, 1); tokens 1 and 2, equal, leave the next partition's
+    range far on both sides (a large spread of relative values across channels)."""
+    x = 1 + 0.1 * torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    x[1] = x[2] = torch.tensor([3.0, -3.0, 3.0, -3.0])
+    return x
 
 
 def test_lagkv_keeps_keys_outside_the_next_partitions_range() -> None:
-    window = _lagkv_window()
+    """Equal values: every token's value share is the same 1/4, so the keys decide."""
+    window = _lagkv_window(_lagkv_noise(), torch.ones(12, 4))
     # Ranked within partitions, each keeps its best: the outliers 1 and 2 tie on rank
     # with partition 1's best, so one of them stays.
     kept = _pick("lagkv", window, 2, lag_size=4)[0]
     assert len(set(kept) & {1, 2}) == 1 and len(set(kept) & set(range(4, 8))) == 1
-    # Compared across partitions, the outliers' softmax shares (1/2 each) beat every
-    # key of partition 1 (about 0.3 at most): both stay.
+    # Compared across partitions, the outliers' mean shares ((1/2 + 1/4) / 2 each) beat
+    # every token of partition 1 (about (0.3 + 1/4) / 2 at most): both stay.
     assert _pick("lagkv", window, 2, lag_size=4, cross_scoring=True) == [[1, 2]]
     # Partitions of 8: the area's one has no whole partition after it in the 12-token
     # span, so it is tail and the most recent keys stay, outliers or not.
     assert _pick("lagkv", window, 3, lag_size=8) == [[5, 6, 7]]
+
+
+def test_lagkv_reads_the_values_as_kvpress_does() -> None:
+    """The same outliers in the values and equal keys: the values decide alike. With
+    both, the halves are averaged before the ranking, as kvpress does."""
+    noise = _lagkv_noise()
+    by_values = _lagkv_window(torch.ones(12, 4), noise)
+    by_keys = _lagkv_window(noise, torch.ones(12, 4))
+    for params in ({"lag_size": 4}, {"lag_size": 4, "cross_scoring": True}):
+        assert _pick("lagkv", by_values, 2, **params) == _pick("lagkv", by_keys, 2, **params)
+    # Outliers 1 and 2 in the keys, token 5 in the values: partition 0 keeps one of 1
+    # and 2, partition 1 keeps 5 (the keys alone would keep partition 1's noisiest key).
+    values = 1 + 0.1 * torch.randn(12, 4, generator=torch.Generator().manual_seed(1))
+    values[5] = torch.tensor([3.0, -3.0, 3.0, -3.0])
+    both = _lagkv_window(noise, values)
+    kept = _pick("lagkv", both, 2, lag_size=4)[0]
+    assert 5 in kept and len(set(kept) & {1, 2}) == 1
+    keys_only = _lagkv_window(noise, torch.ones(12, 4))
+    assert 5 not in _pick("lagkv", keys_only, 2, lag_size=4)[0]
 
 
 def test_lagkv_params_follow_kvpress_and_fail_out_of_range() -> None:
@@ -196,6 +232,68 @@ def test_lagkv_params_follow_kvpress_and_fail_out_of_range() -> None:
             CompressionConfig(method="lagkv", params=bad)
         field = next(iter(bad))
         assert f"CompressionConfig.params.{field}=" in str(err.value) and valid in str(err.value)
+
+
+def _qfilter(path: Path, filters: torch.Tensor, **metadata: str) -> str:
+    save_calibration(path, filters, metadata)
+    return str(path)
+
+
+def test_qfilter_keeps_the_keys_along_the_queries_direction(tmp_path: Path) -> None:
+    """The file holds ``-e1``, the authors' form of a direction e1 that the queries favour:
+    the keys of largest projection on e1 stay, whatever their other channels."""
+    e1, e2 = torch.eye(4)[:2]
+    keys = torch.stack([e1, -2 * e1, 3 * e1 - 5 * e2, 0.5 * e1, -e1 + 9 * e2, 2 * e1, 10 * e1, 10 * e1])
+    window = _one_head(keys, torch.zeros(8, 4), n_compress=6)
+    favoured = _qfilter(tmp_path / "favoured.safetensors", -e1.view(1, 1, 4))
+    assert _pick("qfilter", window, 2, calibration=favoured) == [[2, 5]]
+    # The opposite filter keeps the opposite end: the sign is the file's, not guessed.
+    opposite = _qfilter(tmp_path / "opposite.safetensors", e1.view(1, 1, 4))
+    assert _pick("qfilter", window, 2, calibration=opposite) == [[1, 4]]
+
+
+def test_qfilter_names_a_missing_or_foreign_calibration_file(tmp_path: Path) -> None:
+    field = "CompressionConfig.params.calibration="
+    for params, why in [
+        ({}, "must be the path (a str) of a `kvllm calibrate` file"),
+        ({"calibration": str(tmp_path / "none.safetensors")}, "cannot be read"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            CompressionConfig(method="qfilter", params=params)
+        assert field in str(err.value) and why in str(err.value)
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    other = tmp_path / "other.safetensors"
+    save_file({"weights": torch.zeros(2, 2, 4)}, str(other))
+    for path, why in [(garbage, "is not a safetensors file"), (other, "holds no [L, Hkv, D] tensor 'q_filters'")]:
+        with pytest.raises(ValueError) as err:
+            CompressionConfig(method="qfilter", params={"calibration": str(path)})
+        assert f"{field}{str(path)!r}" in str(err.value) and why in str(err.value)
+
+
+def test_qfilter_refuses_filters_of_another_shape_at_select(tmp_path: Path) -> None:
+    """A file of another model passes the config (it is a calibration file) and fails at
+    the first round, naming the file, both shapes and the model it was written for."""
+    path = _qfilter(tmp_path / "other.safetensors", torch.randn(3, 1, 4), model="some/other-model")
+    config = CompressionConfig(method="qfilter", params={"calibration": path})
+    window = _one_head(torch.randn(8, 4), torch.zeros(8, 4), n_compress=6)
+    with pytest.raises(ValueError) as err:
+        build(config).select(window, 2)
+    message = str(err.value)
+    assert f"CompressionConfig.params.calibration={path!r}" in message
+    assert "[3, 1, 4]" in message and "[1, 1, 4]" in message and "some/other-model" in message
+
+
+def test_qfilter_reads_a_file_written_again(tmp_path: Path) -> None:
+    """The file is cached by path, but not past a rewrite (its size or time changes):
+    the new filters count."""
+    e1 = torch.eye(4)[0]
+    keys = torch.stack([e1, -e1, 2 * e1, -2 * e1, e1, e1])
+    window = _one_head(keys, torch.zeros(6, 4), n_compress=4)
+    path = _qfilter(tmp_path / "q_filters.safetensors", -e1.view(1, 1, 4))
+    assert _pick("qfilter", window, 1, calibration=path) == [[2]]
+    _qfilter(tmp_path / "q_filters.safetensors", e1.view(1, 1, 4), model="rewritten, with metadata")
+    assert _pick("qfilter", window, 1, calibration=path) == [[3]]
 
 
 def _twoway_window() -> Window:
@@ -337,7 +435,13 @@ def test_expected_attention_looks_at_the_next_position() -> None:
 
 @pytest.mark.parametrize(
     ("name", "missing"),
-    [("noncausal-attn", "values"), ("compactor", "seeds"), ("expected-attention", "rope"), ("kara-vnorm", "values")],
+    [
+        ("noncausal-attn", "values"),
+        ("compactor", "seeds"),
+        ("expected-attention", "rope"),
+        ("kara-vnorm", "values"),
+        ("lagkv", "values"),
+    ],
 )
 def test_a_scorer_names_what_the_backend_omits(name: str, missing: str) -> None:
     full = _carrying(torch.randn(8, 4), torch.randn(8, 4), 6)

@@ -22,9 +22,10 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from kvllm.methods import Method, Selection, Window, available, method_class
+from kvllm.methods import Method, Selection, Window, available, calibrated, method_class
 from kvllm.methods.rope import Rope
 from kvllm.methods.token2chunk import token2chunk
 
@@ -445,20 +446,24 @@ def tova_reference(window: Window, budget: int, params: Any) -> Tensor:
 
 
 def lagkv_reference(window: Window, budget: int, params: Any) -> Tensor:
-    """kvpress 0.5.5's ``LagKVPress.score`` on the keys, with no sinks: partitions of
-    ``lag_size`` from the span's first key, each scored against the next whole one; the
-    rest scores 1 (the tail). Top-m of the area, ties to the later token."""
+    """kvpress 0.5.5's ``LagKVPress.score`` with no sinks: partitions of ``lag_size``
+    from the span's first token, each scored against the next whole one, keys and
+    values alike (``_get_states_score``), the two halves averaged, then ranked; the rest
+    scores 1 (the tail). Top-m of the area, ties to the later token."""
     lag, c = params.lag_size, window.n_compress
+
+    def states_score(x: Tensor, start: int) -> Tensor:
+        target, ref = x[start : start + lag], x[start + lag : start + 2 * lag]
+        lo, hi = ref.min(0).values, ref.max(0).values
+        return ((target - lo) / (hi - lo)).std(-1).softmax(-1)
 
     def kept(bi: int, li: int) -> list[list[int]]:
         rows = []
-        for k in window.keys[bi, li]:
+        for k, v in zip(window.keys[bi, li], window.values[bi, li], strict=True):
             n = k.shape[0]
             scores = [1.0] * c
             for start in range(0, n - 2 * lag + 1, lag):
-                v, ref = k[start : start + lag], k[start + lag : start + 2 * lag]
-                lo, hi = ref.min(0).values, ref.max(0).values
-                s = ((v - lo) / (hi - lo)).std(-1).softmax(-1)
+                s = (states_score(k, start) + states_score(v, start)) / 2
                 if not params.cross_scoring:
                     s = s.argsort().argsort() / lag
                 for offset, value in enumerate(s.tolist()):
@@ -466,6 +471,18 @@ def lagkv_reference(window: Window, budget: int, params: Any) -> Tensor:
                         scores[start + offset] = value
             rows.append(sorted(sorted(range(c), key=lambda i: (-scores[i], -i))[:budget]))
         return rows
+
+    return rows_to_mask(window, kept)
+
+
+def qfilter_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kvpress 0.5.5's ``QFilterPress.score``: ``-(q_filter * keys).sum(-1)`` with the
+    layer's ``[Hkv, D]`` filters of the calibration file, read with safetensors itself."""
+    filters = load_file(params.calibration)["q_filters"]  # [L, Hkv, D]
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        k = window.keys[bi, li, :, : window.n_compress]
+        return [top(-(f * row).sum(-1), budget) for f, row in zip(filters[li], k, strict=True)]
 
     return rows_to_mask(window, kept)
 
@@ -649,6 +666,7 @@ REFERENCES: dict[str, Check] = {
     "keydiff": exact(keydiff_reference),
     "tova": exact(tova_reference),
     "lagkv": exact(lagkv_reference),
+    "qfilter": exact(qfilter_reference),
     "noncausal-attn": exact(noncausal_attn_reference),
     "compactor": exact(compactor_reference),
     "expected-attention": exact(expected_attention_reference),
@@ -676,15 +694,30 @@ def build(name: str, params: Mapping[str, Any], window: Window) -> Method:
     return cls(cls.resolve(params, window.n_compress, buffer))
 
 
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A calibration file of seeded random filters for :func:`make_window`'s 4 layers x
+    2 KV heads x d = 8."""
+    filters = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(23))
+    path = tmp_path_factory.mktemp("calibration") / "q_filters.safetensors"
+    save_file({"q_filters": filters}, str(path))
+    return str(path)
+
+
+def params_of(name: str, calibration: str) -> dict[str, Any]:
+    """The test's overrides of ``name``'s parameters, the calibration file for a method that reads one."""
+    return {**PARAMS.get(name, {}), **({"calibration": calibration} if calibrated(name) else {})}
+
+
 def test_every_registered_method_has_a_reference() -> None:
     assert set(REFERENCES) == set(available())
 
 
 @pytest.mark.parametrize("budget", [1, 5, 13, 30, 48])
 @pytest.mark.parametrize("name", sorted(REFERENCES))
-def test_selection_matches_reference(name: str, budget: int) -> None:
+def test_selection_matches_reference(name: str, budget: int, calibration: str) -> None:
     window = make_window(BUFFER, seed=budget)
-    REFERENCES[name](build(name, PARAMS.get(name, {}), window), window, budget)
+    REFERENCES[name](build(name, params_of(name, calibration), window), window, budget)
 
 
 @pytest.mark.parametrize("budget", [5, 13, 30])

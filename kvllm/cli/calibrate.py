@@ -1,0 +1,66 @@
+"""``kvllm calibrate``: a model's Q-Filters, for the ``qfilter`` method."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvllm.cli.options import TASK_FAMILIES, console, load_model, model_path, split
+from kvllm.eval.tasks import FAMILIES, TRAIN_SEEDS
+
+
+def calibrate(
+    model: Annotated[Path | None, typer.Argument(help="Local model directory; default: shipped.")] = None,
+    out: Annotated[Path, typer.Option(help="The calibration file to write (safetensors).")] = Path(
+        "q_filters.safetensors"
+    ),
+    n: Annotated[int, typer.Option(help="Calibration texts.")] = 32,
+    family: Annotated[
+        list[str], typer.Option(help="Task families the texts cycle through (repeatable or commas).")
+    ] = TASK_FAMILIES,
+) -> None:
+    """Compute MODEL's Q-Filters and write them to --out, for --method qfilter.
+
+    The texts are generated tasks, prompt and chain of thought, of the training seeds
+    (the first N from 1,000,000, the families in turn): never a development or test seed,
+    so no evaluated problem is seen. 32 texts of the trace families (about 1,000 tokens
+    each) run through the model twice, once for the directions and once for their signs.
+    Pass the file as params={"calibration": PATH}, --param qfilter:calibration=PATH or
+    --calibration PATH (kvllm eval), --kv-calibration PATH (kvllm serve).
+    """
+    from kvllm.eval.tasks import make_task
+    from kvllm.hf.calibrate import q_filters
+    from kvllm.methods.qfilter import save_calibration
+
+    families = split(family)
+    for f in families:
+        if f not in FAMILIES:
+            raise typer.BadParameter(f"--family {f!r} is invalid: must be one of {', '.join(FAMILIES)}")
+    if n < 1:
+        raise typer.BadParameter(f"--n {n} is invalid: must be >= 1")
+    path = model_path(model)
+    tok, lm = load_model(path)
+    tasks = [make_task(families[i % len(families)], TRAIN_SEEDS.start + i) for i in range(n)]
+    inputs = [tok(t.text, return_tensors="pt")["input_ids"][0] for t in tasks]
+    filters = q_filters(lm, inputs)
+    layers, kv_heads, head_dim = filters.shape
+    metadata = {
+        "method": "qfilter",
+        "model": str(path),
+        "model_type": lm.config.model_type,
+        "num_layers": str(layers),
+        "num_kv_heads": str(kv_heads),
+        "head_dim": str(head_dim),
+        "queries": "post-RoPE, every token of every text",
+        "tasks": json.dumps([[t.family, t.seed] for t in tasks]),
+        "tokens": str(sum(len(ids) for ids in inputs)),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_calibration(out, filters, metadata)
+    console.print(
+        f"wrote {out}: q_filters [{layers}, {kv_heads}, {head_dim}] from {n} texts ({metadata['tokens']} tokens) "
+        f"of {', '.join(families)}, seeds {TRAIN_SEEDS.start}-{TRAIN_SEEDS.start + n - 1}"
+    )
