@@ -169,6 +169,15 @@ def request_config(base: CompressionConfig | None, extra_args: dict[str, Any] | 
         if changes:
             raise ValueError(f"{KEY}: this engine was started without compression; per-request overrides need it")
         return None
+    params = changes.get("params")
+    path = params.get("calibration") if isinstance(params, dict) else None
+    if path is not None and path != base.params.get("calibration"):
+        # A request must not make the server open a file of its choosing (nor learn, from
+        # the error, whether it exists): calibration files are the operator's.
+        raise ValueError(
+            f"{KEY}.params.calibration cannot be set per request; start the engine with it "
+            "(kvllm serve --kv-calibration PATH)"
+        )
     return check_paged(base.replace(**changes)) if changes else base
 
 

@@ -291,3 +291,20 @@ def test_fitted_memory_share_passes_vllms_own_check(
     monkeypatch.setattr(cpu_utils, "get_memory_node_info", lambda n: _node(13.21, 0.05))
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         engine.fitted_memory_share(1)
+
+
+def test_a_request_cannot_name_a_calibration_file(tmp_path) -> None:
+    """Calibration files are the operator's: a request naming another path gets a clear
+    error (HTTP 400 at the server), before anything opens it; the engine's own passes."""
+    import torch
+    from safetensors.torch import save_file
+
+    engine_path = str(tmp_path / "engine.safetensors")
+    save_file({"q_filters": torch.zeros(2, 2, 32)}, engine_path)
+    base = CompressionConfig(method="kara", params={"rho": 0.5})
+    with pytest.raises(ValueError, match=r"params\.calibration cannot be set per request"):
+        request_config(base, {"kvllm": {"method": "qfilter", "params": {"calibration": "/etc/passwd"}}})
+    qfilter = base.replace(method="qfilter", params={"calibration": engine_path})
+    with pytest.raises(ValueError, match=r"params\.calibration cannot be set per request"):
+        request_config(qfilter, {"kvllm": {"params": {"calibration": "/etc/passwd"}}})
+    assert request_config(qfilter, {"kvllm": {"retention": 0.5}}).params["calibration"] == engine_path
