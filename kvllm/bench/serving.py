@@ -28,7 +28,12 @@ SYSTEMS: tuple[str, ...] = ("vanilla", "kara")
 FIGURES: tuple[str, ...] = ("ttft", "tpot", "itl")
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
 # vLLM's counter, and KvLLM's (kvllm/vllm/metrics.py), summed over their label sets.
-COUNTERS = {"preemptions": "vllm:num_preemptions", "rounds": "kvllm:compression_rounds"}
+COUNTERS = {
+    "preemptions": "vllm:num_preemptions",
+    "rounds": "kvllm:compression_rounds",
+    # Prompt tokens served from the prefix cache (vLLM's counter, both servers).
+    "prefix_hits": "vllm:prefix_cache_hits",
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class ServeBench:
         concurrency.
     prompts
         Requests per load point (vLLM's random dataset: ``input_len`` random tokens).
+    prefix_len
+        Random tokens every prompt starts with, before its own ``input_len`` (vLLM's
+        ``--random-prefix-len``): a shared system prompt, which prefix caching serves.
     pool_blocks
         The KV pool of both servers (``--num-gpu-blocks-override``).
     """
@@ -55,6 +63,7 @@ class ServeBench:
     rates: tuple[float, ...] = ()
     prompts: int = 32
     input_len: int = 150
+    prefix_len: int = 0
     output_len: int = 2048
     pool_blocks: int = 553
     max_num_seqs: int = 64
@@ -77,10 +86,13 @@ class ServeBench:
             raise ValueError(f"--rate {list(self.rates)} is invalid: each must be > 0")
         if self.repeats < 1 or self.prompts < 1:
             raise ValueError(f"--repeats {self.repeats} / --prompts {self.prompts} is invalid: must be >= 1")
-        need = -(-(self.input_len + self.output_len) // self.compression.block_size) + 1
+        if self.prefix_len < 0:
+            raise ValueError(f"--prefix-len {self.prefix_len} is invalid: must be >= 0")
+        need = -(-(self.prefix_len + self.input_len + self.output_len) // self.compression.block_size) + 1
         if self.pool_blocks < need:
             raise ValueError(
-                f"--pool {self.pool_blocks} is invalid: one request of --input-len {self.input_len} + --output-len "
+                f"--pool {self.pool_blocks} is invalid: one request of --prefix-len {self.prefix_len} + --input-len "
+                f"{self.input_len} + --output-len "
                 f"{self.output_len} needs {need} blocks"
             )
 
@@ -101,7 +113,7 @@ class ServeBench:
         return [
             "--dtype", "float32", "--block-size", str(self.compression.block_size),
             "--num-gpu-blocks-override", str(self.pool_blocks), "--max-num-seqs", str(self.max_num_seqs),
-            "--max-model-len", str(self.input_len + self.output_len + 64), "--enforce-eager",
+            "--max-model-len", str(self.prefix_len + self.input_len + self.output_len + 64), "--enforce-eager",
             "--gpu-memory-utilization", "0.3", "--seed", str(self.seed),
         ]  # fmt: skip
 
@@ -124,6 +136,7 @@ def client_args(bench: ServeBench, base: str, kind: str, value: float, result_di
     argv = [
         "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions", "--model", bench.model,
         "--dataset-name", "random", "--random-input-len", str(bench.input_len),
+        "--random-prefix-len", str(bench.prefix_len),
         "--random-output-len", str(bench.output_len), "--num-prompts", str(bench.prompts), "--ignore-eos",
         "--percentile-metrics", ",".join(FIGURES), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
         "--seed", str(bench.seed), "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),

@@ -131,6 +131,9 @@ def bench_serve(
     rate: Annotated[list[str] | None, typer.Option(help="Load points: requests/s, Poisson (commas).")] = None,
     prompts: Annotated[int, typer.Option(help="Requests per load point.")] = 32,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (vLLM's random dataset).")] = 150,
+    prefix_len: Annotated[
+        int, typer.Option(help="Shared prompt prefix before each prompt's own tokens (a system prompt).")
+    ] = 0,
     output_len: Annotated[int, typer.Option(help="Output tokens per request (EOS ignored).")] = 2048,
     pool: Annotated[int, typer.Option(help="KV pool of both servers, in blocks.")] = 553,
     max_num_seqs: Annotated[int, typer.Option(help="vLLM's --max-num-seqs for both servers.")] = 64,
@@ -150,8 +153,9 @@ def bench_serve(
     try:
         bench = ServeBench(
             model=str(path), out=out, systems=tuple(split(system)), concurrency=tuple(split(concurrency, int)),
-            rates=tuple(split(rate or [], float)), prompts=prompts, input_len=input_len, output_len=output_len,
-            pool_blocks=pool, max_num_seqs=max_num_seqs, repeats=repeats, compression=compression,
+            rates=tuple(split(rate or [], float)), prompts=prompts, input_len=input_len, prefix_len=prefix_len,
+            output_len=output_len, pool_blocks=pool, max_num_seqs=max_num_seqs, repeats=repeats,
+            compression=compression,
         )  # fmt: skip
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvllm.bench.serving import ServeBench
+from kvllm.bench.serving import ServeBench, client_args
 from kvllm.bench.serving_report import markdown_table, summarize
 from kvllm.cli import app
 from kvllm.testing import save_tiny_model
@@ -60,3 +60,16 @@ def test_ratios_to_vanilla_are_taken_within_a_repeat() -> None:
     assert kara["output_throughput_ratio"] == [1.75, 1.5, 2.0]
     assert kara["p99_ttft_ms_ratio"] == [0.75, 0.5, 1.0]
     assert "| C=8 | kara | 275 [150-400] |" in markdown_table(summarize(rows))
+
+
+def test_a_shared_prefix_reaches_vllms_client_and_the_limits(tmp_path: Path) -> None:
+    bench = ServeBench(model="m", out=tmp_path, prefix_len=1000, input_len=150, output_len=512, pool_blocks=60)
+    args = client_args(bench, "http://127.0.0.1:1", "concurrency", 4.0, tmp_path)
+    assert (args.random_prefix_len, args.random_input_len) == (1000, 150)
+    flags = bench.server_flags()
+    assert flags[flags.index("--max-model-len") + 1] == str(1000 + 150 + 512 + 64)
+    # One request of prefix + prompt + output needs 52 blocks of 32, plus one.
+    with pytest.raises(ValueError, match="--prefix-len 1000 \\+ --input-len 150"):
+        ServeBench(model="m", out=tmp_path, prefix_len=1000, input_len=150, output_len=512, pool_blocks=52)
+    with pytest.raises(ValueError, match="--prefix-len -1 is invalid"):
+        ServeBench(model="m", out=tmp_path, prefix_len=-1)
