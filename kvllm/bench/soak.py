@@ -67,6 +67,9 @@ class Soak:
         Output lengths, uniform (EOS ignored).
     prompt_min, prompt_max
         Prompt lengths in tokens, uniform (random ids; at least 5, see the server's guard).
+    shared_prefix
+        Tokens of one random prefix that half the prompts start with (a shared system
+        prompt, which prefix caching serves); 0: none.
     cancel
         Share of requests the client cancels part-way.
     override, bad
@@ -91,6 +94,7 @@ class Soak:
     output_max: int = 256
     prompt_min: int = 5
     prompt_max: int = 200
+    shared_prefix: int = 0
     cancel: float = 0.2
     override: float = 0.3
     bad: float = 0.01
@@ -119,13 +123,15 @@ class Soak:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} is invalid: must be in [0, 1]")
         if self.override + self.bad > 1:
             raise ValueError(f"--override {self.override} + --bad {self.bad} is invalid: must be <= 1")
-        need = -(-(self.prompt_max + self.output_max) // self.compression.block_size) + 1
+        if self.shared_prefix < 0:
+            raise ValueError(f"--shared-prefix {self.shared_prefix} is invalid: must be >= 0")
+        need = -(-(self.shared_prefix + self.prompt_max + self.output_max) // self.compression.block_size) + 1
         if self.pool_blocks < need:
             raise ValueError(f"--pool {self.pool_blocks} is invalid: the longest request needs {need} blocks")
 
     @property
     def max_model_len(self) -> int:
-        return self.prompt_max + self.output_max + 16
+        return self.shared_prefix + self.prompt_max + self.output_max + 16
 
     def server_flags(self) -> list[str]:
         c = self.compression
@@ -159,9 +165,12 @@ class Request:
 def draw(soak: Soak, vocab: int) -> list[Request]:
     """Every request of the soak, from one seeded stream."""
     rng = random.Random(soak.seed)
+    shared = [rng.randrange(vocab) for _ in range(soak.shared_prefix)]
     out = []
     for i in range(soak.requests):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(soak.prompt_min, soak.prompt_max))]
+        if shared and rng.random() < 0.5:
+            prompt = shared + prompt
         max_tokens = rng.randint(soak.output_min, soak.output_max)
         stream = rng.random() < soak.stream
         u = rng.random()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -128,3 +129,17 @@ def test_a_small_soak_passes_its_checks(tmp_path: Path) -> None:
     assert report["finished_compressed"] > 0 and report["finished_off"] > 0
     assert report["idle_metrics"]["num_preemptions_total"] > 0, "the pool should be small enough to preempt"
     assert (out / "soak.md").exists() and (out / "rss.png").stat().st_size > 0
+
+
+def test_a_shared_prefix_starts_half_the_prompts(tmp_path: Path) -> None:
+    soak = Soak(model="m", out=tmp_path, requests=2000, seed=3, shared_prefix=300, pool_blocks=64)
+    requests = draw(soak, vocab=400)
+    # The shared prefix is the one 300-token start that many prompts have in common.
+    (shared, count), *_ = Counter(tuple(r.prompt[:300]) for r in requests).most_common(1)
+    starts = [tuple(r.prompt[:300]) == shared for r in requests]
+    assert count == sum(starts) and abs(count / 2000 - 0.5) < 0.05
+    own = [len(r.prompt) - 300 * s for r, s in zip(requests, starts, strict=True)]
+    assert all(soak.prompt_min <= n <= soak.prompt_max for n in own)
+    assert soak.max_model_len == 300 + soak.prompt_max + soak.output_max + 16
+    with pytest.raises(ValueError, match="--pool 24 is invalid"):
+        Soak(model="m", out=tmp_path, shared_prefix=300, pool_blocks=24)
