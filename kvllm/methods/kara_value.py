@@ -29,8 +29,8 @@ from typing import ClassVar
 from kvllm.checks import fail
 from kvllm.methods.base import FIELD, Selection, Window, register
 from kvllm.methods.kara import Kara, KaraParams
-from kvllm.methods.noncausal_attn import POOL_KERNEL, avg_pool
-from kvllm.methods.scoring import attention_scores
+from kvllm.methods.noncausal_attn import POOL_KERNEL
+from kvllm.methods.scoring import attention_scores, avg_pool
 from kvllm.methods.token2chunk import token2chunk
 
 

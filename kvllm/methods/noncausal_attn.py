@@ -42,23 +42,13 @@ Where we differ, and why:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kvllm.methods.base import Method, Selection, Window, register
-from kvllm.methods.scoring import attention_scores, topk_sorted
+from kvllm.methods.scoring import attention_scores, avg_pool, topk_sorted
 
 #: NonCausalAttnPress's pooling kernel (``F.avg_pool1d(kernel_size=3, padding=1)``).
 POOL_KERNEL = 3
-
-
-def avg_pool(scores: Tensor, kernel: int) -> Tensor:
-    """``scores`` ``[..., N]`` average-pooled along the last dim: stride 1, zeros counted."""
-    if kernel == 1:
-        return scores
-    shape = scores.shape
-    pooled = F.avg_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2)
-    return pooled.view(shape)
 
 
 def layer_zscore(scores: Tensor) -> Tensor:

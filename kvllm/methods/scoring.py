@@ -106,12 +106,16 @@ def snapkv_scores(window: Window, obs_window: int, pool_kernel: int) -> Tensor:
     padding counted), as in SnapKV's reference code.
     """
     nq = min(obs_window, window.queries.shape[3])
-    s = attention_scores(window, causal=True, last_queries=nq)[..., : window.n_compress]
-    if pool_kernel > 1:
-        shape = s.shape
-        s = F.avg_pool1d(s.reshape(-1, 1, shape[-1]), pool_kernel, stride=1, padding=pool_kernel // 2)
-        s = s.view(shape)
-    return s
+    return avg_pool(attention_scores(window, causal=True, last_queries=nq)[..., : window.n_compress], pool_kernel)
+
+
+def avg_pool(scores: Tensor, kernel: int) -> Tensor:
+    """``scores`` ``[..., N]`` average-pooled along the last dim: stride 1, zero padding
+    counted, as SnapKV's and kvpress's ``F.avg_pool1d`` (a kernel of 1 or less: as is)."""
+    if kernel <= 1:
+        return scores
+    shape = scores.shape
+    return F.avg_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2).view(shape)
 
 
 def topk_sorted(scores: Tensor, k: int) -> Tensor:
