@@ -189,9 +189,11 @@ class CompressingScheduler(Scheduler):
             self.max_num_active_reqs = limit
         if plan is not None:
             for req_id in output.num_scheduled_tokens:
-                # A recomputation's first chunk: the worker captures its queries too.
-                if getattr(self.requests[req_id], RECOMPUTE, False):
-                    plan.dropped.setdefault(req_id, getattr(self.requests[req_id], DROPPED, 0))
+                # A recomputation's first chunk: the worker captures its queries too (not
+                # for a request with compression off, which no round will read).
+                request = self.requests[req_id]
+                if getattr(request, RECOMPUTE, False) and self._config(request) is not None:
+                    plan.dropped.setdefault(req_id, getattr(request, DROPPED, 0))
             # A request preempted in this very schedule() lost its blocks: nothing to compact.
             gone = output.preempted_req_ids or set()
             plan.compactions = [c for c in plan.compactions if c.req_id not in gone]
