@@ -23,7 +23,7 @@ from kvllm.cli.options import (
     progress,
     split,
 )
-from kvllm.eval.grid import ORACLE
+from kvllm.eval.grid import FORCED_ONLY
 from kvllm.eval.tasks import FAMILIES
 from kvllm.methods import available, calibrated
 
@@ -65,7 +65,7 @@ def evaluate(
         Path | None, typer.Option(help="The model's `kvllm calibrate` file, for the methods that read one (qfilter).")
     ] = None,
     teacher_forced: Annotated[
-        bool, typer.Option(help="Force Full KV's completions through each method (method 'oracle' allowed).")
+        bool, typer.Option(help="Force Full KV's completions through each method (methods oracle and bound allowed).")
     ] = False,
     split_: Annotated[str, typer.Option("--split", help="Seeds to run: test (reported) or dev (tuning).")] = "test",
     test_seeds: Annotated[str, typer.Option(help="Test seed range START:END (held out from tuning).")] = "0:100000",
@@ -91,8 +91,8 @@ def evaluate(
     for r in retentions:
         if not 0.0 < r <= 1.0:
             raise typer.BadParameter(f"--retention {r} is invalid: must be in (0, 1]")
-    if ORACLE in methods and not teacher_forced:
-        raise typer.BadParameter("--method oracle is invalid without --teacher-forced: it needs the forced future")
+    for m in (m for m in FORCED_ONLY if m in methods and not teacher_forced):
+        raise typer.BadParameter(f"--method {m} is invalid without --teacher-forced: it reads the forced sequence")
     base = make_config(window=window, buffer=buffer, period=period)
     params = method_params(parse_params(param), methods)
     if calibration is not None:
@@ -101,7 +101,7 @@ def evaluate(
             raise typer.BadParameter(f"--calibration {calibration} is invalid: no method among --method reads one")
         for m in with_file:
             params[m]["calibration"] = str(calibration)
-    for m, r in ((m, r) for m in methods if m != ORACLE for r in retentions):
+    for m, r in ((m, r) for m in methods if m not in FORCED_ONLY for r in retentions):
         make_config(method=m, retention=r, window=window, buffer=buffer, period=period, params=params[m])
     first_seed = _first_seed(split_, test_seeds, dev_seeds, n)
     for f in families:
@@ -156,8 +156,8 @@ def method_params(pairs: dict, methods: list[str]) -> dict[str, dict]:
         method, sep, name = key.partition(":")
         if not sep:
             continue
-        if method not in out or method == ORACLE:
-            why = "the oracle takes none" if method == ORACLE else f"{method!r} is not among --method"
+        if method not in out or method in FORCED_ONLY:
+            why = f"the {method} takes none" if method in FORCED_ONLY else f"{method!r} is not among --method"
             raise typer.BadParameter(f"--param {key}={value} is invalid: {why}")
         out[method][name] = value
     return out

@@ -26,6 +26,10 @@ from kvllm.eval.problems import Problem
 
 FULL = "full"
 ORACLE = "oracle"
+BOUND = "bound"
+#: Selectors that read the forced sequence (kvllm.eval.oracle, kvllm.eval.bound): they
+#: run teacher-forced only, take no params, and are not in the method registry.
+FORCED_ONLY = (ORACLE, BOUND)
 MODES = ("free", "teacher-forced")
 # Methods default to every registered one that needs no calibration file (kvllm.cli.options.METHODS).
 DEFAULT_RETENTIONS = (0.1, 0.2, 0.3, 0.5, 1.0)
@@ -110,32 +114,40 @@ def run_accuracy_cell(
     temperature: float = 0.0,
     top_p: float = 1.0,
     forced: Sequence[Sequence[int]] | None = None,
-    oracle: bool = False,
+    selector: str | None = None,
     keep_ids: bool = False,
     on_problem: Callable[[int], None] | None = None,
 ) -> list[dict]:
     """One record per problem (and sample): exact match, lookups, memory held.
 
     With ``forced`` (a token list per problem), teacher-forced: lookups are graded on the
-    model's argmax at the forced completion's digits; ``oracle`` swaps the method for the
-    oracle selector, fed with a Full-KV pass over each forced sequence. ``keep_ids``
+    model's argmax at the forced completion's digits; ``selector`` (one of
+    :data:`FORCED_ONLY`) swaps the method for the oracle, fed with a Full-KV pass over each
+    forced sequence, or for the reachable bound, fed with the other problems'. ``keep_ids``
     stores each completion's token ids in its record (the Full-KV cell's, to force them).
     """
     from kvllm.hf import generate  # transformers is heavy; `kvllm --help` should not wait
 
-    if oracle and forced is None:
-        raise ValueError("the oracle runs teacher-forced only")
+    if selector is not None and forced is None:
+        raise ValueError(f"the {selector} runs teacher-forced only")
+    prompt_ids = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    bound_inputs = _bound_inputs(model, tokenizer, prompt_ids, forced, window) if selector == BOUND else None
     records = []
     for sample in range(samples):
         for lo in range(0, len(problems), batch_size):
             batch = problems[lo : lo + batch_size]
             batch_forced = None if forced is None else [list(f) for f in forced[lo : lo + batch_size]]
-            selector = None
-            if oracle:
+            method = None
+            if selector == ORACLE:
                 from kvllm.eval.oracle import Oracle, full_attention
 
-                prompt_ids = [tokenizer(p.prompt)["input_ids"] for p in batch]
-                selector = Oracle(full_attention(model, [p + f for p, f in zip(prompt_ids, batch_forced, strict=True)]))
+                ids = [p + f for p, f in zip(prompt_ids[lo : lo + batch_size], batch_forced, strict=True)]
+                method = Oracle(full_attention(model, ids))
+            elif selector == BOUND:
+                from kvllm.eval.bound import RoleBound
+
+                roles, scores = bound_inputs
+                method = RoleBound(roles[lo : lo + batch_size], scores[lo : lo + batch_size])
             out = generate(
                 model,
                 tokenizer,
@@ -146,13 +158,27 @@ def run_accuracy_cell(
                 top_p=top_p,
                 seed=sample * 1_000_003 + lo,
                 forced=batch_forced,
-                method=selector,
+                method=method,
             )
             for i, (p, text, ids, st) in enumerate(zip(batch, out.texts, out.token_ids, out.stats, strict=True)):
                 records.append(_record(tokenizer, p, text, ids, st, window, out.predictions, i, keep_ids))
             if on_problem is not None:
                 on_problem(len(batch))
     return records
+
+
+def _bound_inputs(model, tokenizer, prompt_ids, forced, gap: int) -> tuple[list, list]:
+    """Per problem, its tokens' roles and the roles' scores over the other problems."""
+    from kvllm.eval.bound import leave_one_out, role_attention, token_roles
+    from kvllm.eval.oracle import full_attention
+
+    roles, stats = [], []
+    for p, f in zip(prompt_ids, forced, strict=True):
+        r = token_roles(tokenizer, len(p), f)
+        (attention,) = full_attention(model, [list(p) + list(f)])
+        roles.append(r)
+        stats.append(role_attention(attention, r, gap))
+    return roles, leave_one_out(stats)
 
 
 def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, predictions, row: int, keep_ids: bool):
@@ -251,21 +277,22 @@ def run_grid(
     for a method needs its own ``out_dir``. ``on_progress(cell_name, problems_done)``
     drives a progress bar.
     """
-    if ORACLE in methods and not teacher_forced:
-        raise ValueError("--method oracle is invalid without --teacher-forced: it needs the forced future")
+    for m in (m for m in FORCED_ONLY if m in methods and not teacher_forced):
+        raise ValueError(f"--method {m} is invalid without --teacher-forced: it reads the forced sequence")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.jsonl"
     done = load_results(path)
     wanted = cells(methods, retentions, list(problems), teacher_forced)
-    if params and params.get(ORACLE):
-        raise ValueError("the oracle takes no params: it keeps what later queries attend to")
+    for m in (m for m in FORCED_ONLY if params and params.get(m)):
+        raise ValueError(f"the {m} takes no params")
     for method, retention, family, mode in wanted:
         key = (method, retention, family, mode, base.window, base.buffer)
         config = None
         if method != FULL:
-            # The oracle runs under the same policy and rounds; only its selection differs.
-            overrides = {} if method == ORACLE else (params or {}).get(method, {})
-            config = base.replace(method="kara" if method == ORACLE else method, retention=retention, params=overrides)
+            # The oracle and the bound run under the same policy and rounds; only their selection differs.
+            forced_only = method in FORCED_ONLY
+            overrides = {} if forced_only else (params or {}).get(method, {})
+            config = base.replace(method="kara" if forced_only else method, retention=retention, params=overrides)
         if key in done:
             if done[key].params != _resolved(method, config):
                 raise ValueError(
@@ -292,7 +319,7 @@ def run_grid(
             temperature=temperature,
             top_p=top_p,
             forced=forced,
-            oracle=method == ORACLE,
+            selector=method if method in FORCED_ONLY else None,
             keep_ids=method == FULL and mode == "free",
             on_problem=None if on_progress is None else lambda k, name=name: on_progress(name, k),
         )
@@ -308,8 +335,8 @@ def run_grid(
 
 
 def _resolved(method: str, config: CompressionConfig | None) -> dict[str, Any]:
-    """The parameters a method cell runs with, defaults included; none for Full KV and the oracle."""
-    if config is None or method == ORACLE:
+    """The parameters a method cell runs with, defaults included; none for Full KV, the oracle and the bound."""
+    if config is None or method in FORCED_ONLY:
         return {}
     return asdict(config.method_params)
 

@@ -33,9 +33,9 @@ from kvllm.eval.tasks import END_THINK, HEDGES, extract_answer
 # `ce = bo + ku = bo41 + ku13 = ce54`: the statement, its two reads, its result.
 STATEMENT = re.compile(r"^ ?(\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d{2}) ([+-]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
 # `check ce = bo + ku = bo41 + ku13 = ce54`: a statement re-derived, with the same groups.
-_CHECK = re.compile(r"^ ?check " + STATEMENT.pattern.removeprefix("^ ?"))
-_RESTATE = re.compile(r"^ ?so [a-z]+ is \d{2}\.$")
-_HEDGE = re.compile("^ ?(" + "|".join(re.escape(h) for h in HEDGES) + ")$")
+CHECK = re.compile(r"^ ?check " + STATEMENT.pattern.removeprefix("^ ?"))
+RESTATE = re.compile(r"^ ?so [a-z]+ is \d{2}\.$")
+HEDGE = re.compile("^ ?(" + "|".join(re.escape(h) for h in HEDGES) + ")$")
 _HEADER = re.compile(r"report (\w+)\.")
 _CONSTANT = re.compile(r"^ ?([a-z]+)(\d{2})$")
 _KEY = re.compile(r"^ ?key = \d{2} [+-] \d{2} = key(\d{2})$")
@@ -167,7 +167,7 @@ def reads(
             for name_group, digits_group in ((5, 6), (8, 9)):
                 grade(m.group(name_group), int(m.group(digits_group)), offset + m.start(digits_group))
             written[m.group(10)] = (int(m.group(11)), position(offset + m.start(11)))
-        elif c := _CHECK.match(line):
+        elif c := CHECK.match(line):
             for name_group, digits_group in ((5, 6), (8, 9), (10, 11)):
                 grade(c.group(name_group), int(c.group(digits_group)), offset + c.start(digits_group))
         elif k := _KEY.match(line):
@@ -180,7 +180,7 @@ def malformed_lines(completion: str) -> int:
     """Chain-of-thought lines of no family's format (statements, key, check, restatement, hedge lines)."""
     body = completion.split(END_THINK)[0]
     lines = [line for line in body.split("\n") if line.strip()]
-    well_formed = (STATEMENT, _KEY, _CHECK, _RESTATE, _HEDGE)
+    well_formed = (STATEMENT, _KEY, CHECK, RESTATE, HEDGE)
     return sum(1 for line in lines if not any(pattern.match(line) for pattern in well_formed))
 
 

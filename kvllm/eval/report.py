@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt
 from rich.table import Table
 
-from kvllm.eval.grid import FULL, ORACLE, CellResult
+from kvllm.eval.grid import BOUND, FULL, ORACLE, CellResult
 from kvllm.plots import save_figure
 
 
@@ -264,11 +264,11 @@ def frontier_markdown(rows: Sequence[dict], levels: Sequence[float] = (0.3, 0.4,
 
 
 def _method_order(group: list[dict], reference: str) -> Callable[[str], tuple]:
-    """The oracle first, then ``reference``, then by mean fidelity, best first."""
+    """The oracle and the bound first, then ``reference``, then by mean fidelity, best first."""
     means = defaultdict(list)
     for r in group:
         means[r["method"]].append(r["fidelity"])
-    return lambda m: (m != ORACLE, m != reference, -sum(means[m]) / len(means[m]))
+    return lambda m: (m != ORACLE, m != BOUND, m != reference, -sum(means[m]) / len(means[m]))
 
 
 def _distance_markdown(results: Sequence[CellResult]) -> list[str]:
@@ -335,6 +335,8 @@ def plot_frontier(every: Sequence[dict], path: Path, title: str = "") -> Path:
                 style = {"linewidth": 2.8, "color": "black"}
             elif method == ORACLE:
                 style = {"linewidth": 2.2, "color": "tab:red", "linestyle": "--"}
+            elif method == BOUND:
+                style = {"linewidth": 2.2, "color": "tab:purple", "linestyle": ":"}
             xs = [p["held_mean"] for p in front]
             ax.plot(xs, [p["fidelity"] for p in front], marker="o", markersize=3, label=method, **style)
             lo, hi = ([p["fidelity_ci"][j] for p in front] for j in (0, 1))

@@ -115,10 +115,10 @@ def test_markdown_tables_put_full_kv_at_retention_one() -> None:
     assert md.split("**mean**")[1].count("| kara | 50.0 | 75.0 |") == 1
 
 
-def test_eval_teacher_forced_with_the_oracle(tmp_path: Path) -> None:
+def test_eval_teacher_forced_with_the_oracle_and_the_bound(tmp_path: Path) -> None:
     """On the shipped model (a random one writes no chain of thought to grade)."""
     out = tmp_path / "tf"
-    args = ["eval", "--out", str(out), "--method", "kara,oracle", "--retention", "0.25,1.0"]
+    args = ["eval", "--out", str(out), "--method", "kara,oracle,bound", "--retention", "0.25,1.0"]
     args += ["--family", "trace", "--n", "3", "--steps", "6", "--constants", "4", "--window", "32", "--buffer", "8"]
     result = CliRunner().invoke(app, [*args, "--period", "4", "--batch-size", "3", "--teacher-forced"])
     assert result.exit_code == 0, result.output
@@ -128,6 +128,7 @@ def test_eval_teacher_forced_with_the_oracle(tmp_path: Path) -> None:
         (FULL, "teacher-forced"),
         ("kara", "teacher-forced"),
         ("oracle", "teacher-forced"),
+        ("bound", "teacher-forced"),
     }
     full_free = cells[(FULL, 1.0, "trace", "free", 32, 8)]
     full_tf = cells[(FULL, 1.0, "trace", "teacher-forced", 32, 8)]
@@ -136,6 +137,9 @@ def test_eval_teacher_forced_with_the_oracle(tmp_path: Path) -> None:
     assert [p["right"] for p in full_tf.problems] == [p["right"] for p in full_free.problems]
     kara = cells[("kara", 0.25, "trace", "teacher-forced", 32, 8)]
     assert kara.held_mean < 1.0 and kara.problems[0]["reads"] == full_free.problems[0]["reads"]
+    # The bound runs under Kara's policy and rounds: the same memory, other keys.
+    bound = cells[("bound", 0.25, "trace", "teacher-forced", 32, 8)]
+    assert bound.held_mean == kara.held_mean and bound.params == {}
     assert (out / "lookup.md").read_text().count("teacher-forced") >= 1
     assert (out / "frontier.png").stat().st_size > 0
 
@@ -144,6 +148,7 @@ def test_eval_teacher_forced_with_the_oracle(tmp_path: Path) -> None:
     ("extra", "fragment"),
     [
         (["--method", "oracle"], "--method oracle is invalid without --teacher-forced"),
+        (["--method", "kara,bound"], "--method bound is invalid without --teacher-forced"),
         (["--method", "nope"], "CompressionConfig.method='nope'"),
         (["--family", "nope"], "--family 'nope' is invalid"),
         (["--retention", "1.5"], "--retention 1.5 is invalid: must be in (0, 1]"),
