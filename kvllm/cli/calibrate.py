@@ -33,7 +33,7 @@ def calibrate(
     """
     from kvllm.eval.tasks import make_task
     from kvllm.hf.calibrate import q_filters
-    from kvllm.methods.qfilter import save_calibration
+    from kvllm.methods.qfilter import model_signature, save_calibration
 
     families = split(family)
     for f in families:
@@ -50,10 +50,7 @@ def calibrate(
     metadata = {
         "method": "qfilter",
         "model": str(path),
-        "model_type": lm.config.model_type,
-        "num_layers": str(layers),
-        "num_kv_heads": str(kv_heads),
-        "head_dim": str(head_dim),
+        **model_signature(lm.config),
         "queries": "post-RoPE, every token of every text",
         "tasks": json.dumps([[t.family, t.seed] for t in tasks]),
         "tokens": str(sum(len(ids) for ids in inputs)),

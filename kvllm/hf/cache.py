@@ -103,6 +103,8 @@ class CompressingCache(Cache):
         super().__init__(layers=[CompressedLayer(ring) for _ in range(model_config.num_hidden_layers)])
         self.compression = config
         self.method = method if method is not None else build(config) if config is not None else None
+        if self.method is not None:
+            self.method.check_model(model_config)
         self.policy = build_policy(config) if config is not None else None
         self.pad_lengths = pad_lengths
         self.prompt_ids = prompt_ids if prompt_ids is not None else [[] for _ in pad_lengths]

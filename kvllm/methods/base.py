@@ -189,6 +189,11 @@ class Method(ABC):
         params.check(window, buffer)
         return params
 
+    def check_model(self, model_config: Any) -> None:  # noqa: B027 (a hook: most methods fit any model)
+        """Raise ``ValueError`` when this method cannot run on the model of ``model_config``
+        (a transformers ``PretrainedConfig``). Called once, before the model serves: a
+        method bound to one model (a calibration file) fails there, not at its first round."""
+
     @abstractmethod
     def select(self, window: Window, budget: int) -> Selection:
         """Choose ``budget`` keys (on average) of ``window``'s compressible area."""

@@ -52,6 +52,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -83,6 +84,21 @@ class Calibration:
     def describe(self) -> str:
         """The model the file was written for, for error messages."""
         return self.metadata.get("model", "an unnamed model")
+
+
+def model_signature(model_config: Any) -> dict[str, str]:
+    """What a calibration file records of its model (``kvllm calibrate``) and is checked
+    against before it serves (:meth:`QFilter.check_model`), from a transformers config."""
+    heads = model_config.num_attention_heads
+    return {
+        "model_type": str(model_config.model_type),
+        "num_layers": str(model_config.num_hidden_layers),
+        "num_attention_heads": str(heads),
+        "num_kv_heads": str(getattr(model_config, "num_key_value_heads", None) or heads),
+        "head_dim": str(getattr(model_config, "head_dim", None) or model_config.hidden_size // heads),
+        "hidden_size": str(model_config.hidden_size),
+        "vocab_size": str(model_config.vocab_size),
+    }
 
 
 def save_calibration(path: str | Path, q_filters: Tensor, metadata: Mapping[str, str]) -> None:
@@ -140,6 +156,26 @@ class QFilterParams(MethodParams):
 class QFilter(Method):
     name = "qfilter"
     Params = QFilterParams
+
+    def check_model(self, model_config: Any) -> None:
+        """The file must be of this model: its filters' shape and every field it recorded
+        of :func:`model_signature` (files may predate some fields) match ``model_config``'s.
+
+        The model's path is not compared: the same weights may be served from anywhere."""
+        path = self.params.calibration
+        calibration = load_calibration(path)
+        expected = model_signature(model_config)
+        names = ("num_layers", "num_kv_heads", "head_dim")
+        shape = dict(zip(names, map(str, calibration.q_filters.shape), strict=True))
+        recorded = {**{k: v for k, v in calibration.metadata.items() if k in expected}, **shape}
+        wrong = [f"{k} {v} (this model: {expected[k]})" for k, v in recorded.items() if v != expected[k]]
+        if wrong:
+            fail(
+                f"{FIELD}.calibration",
+                path,
+                f"was written for another model ({calibration.describe()}): {', '.join(wrong)}; "
+                "run `kvllm calibrate MODEL --out PATH` for this one",
+            )
 
     def select(self, window: Window, budget: int) -> Selection:
         path = self.params.calibration

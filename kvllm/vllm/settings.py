@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from kvllm.config import CompressionConfig
-from kvllm.methods import method_class
+from kvllm.methods import build, calibrated, method_class
 
 KEY = "kvllm"
 OVERRIDABLE = ("method", "retention", "params", "off")
@@ -101,8 +101,22 @@ def check_vllm_config(vllm_config: Any) -> CompressionConfig | None:
         )
     cache = vllm_config.cache_config
     config = check_engine(config, cache.block_size)
-    check_parallel(vllm_config.parallel_config.tensor_parallel_size, vllm_config.model_config.get_total_num_kv_heads())
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    check_parallel(tp, vllm_config.model_config.get_total_num_kv_heads())
+    check_model(config, vllm_config.model_config.hf_config, tp)
     return config
+
+
+def check_model(config: CompressionConfig, hf_config: Any, tensor_parallel_size: int) -> None:
+    """The engine's method can run on its model: a calibration file is this model's, found
+    before any engine process starts rather than at the first round, in a worker."""
+    build(config).check_model(hf_config)
+    if calibrated(config.method) and tensor_parallel_size > 1:
+        raise ValueError(
+            f"{KEY}.method={config.method!r} is invalid with tensor_parallel_size={tensor_parallel_size}: its "
+            "calibration file holds every KV head, and a rank's windows hold a share of them; use "
+            "--tensor-parallel-size 1"
+        )
 
 
 def worker_ranks(kwargs: dict[str, Any]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -282,6 +283,48 @@ def test_qfilter_refuses_filters_of_another_shape_at_select(tmp_path: Path) -> N
     message = str(err.value)
     assert f"CompressionConfig.params.calibration={path!r}" in message
     assert "[3, 1, 4]" in message and "[1, 1, 4]" in message and "some/other-model" in message
+
+
+def _qwen3(**overrides: int) -> Any:
+    """A small Qwen3 config: 2 layers, 4 query / 2 KV heads of 8."""
+    from transformers import Qwen3Config
+
+    shape = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    return Qwen3Config(**{"hidden_size": 32, "vocab_size": 100, **shape, **overrides})
+
+
+def test_qfilter_checks_the_model_before_it_serves(tmp_path: Path) -> None:
+    """``check_model`` (run at start-up by both backends) compares the filters' shape and
+    what ``kvllm calibrate`` recorded of the model, and names every difference."""
+    from kvllm.methods.qfilter import model_signature
+
+    model = _qwen3()
+    good = _qfilter(tmp_path / "good.safetensors", torch.randn(2, 2, 8), model="here", **model_signature(model))
+    build(CompressionConfig(method="qfilter", params={"calibration": good})).check_model(model)
+    # A file without metadata (an older one) is checked on its shape alone.
+    bare = _qfilter(tmp_path / "bare.safetensors", torch.randn(2, 2, 8))
+    build(CompressionConfig(method="qfilter", params={"calibration": bare})).check_model(model)
+    cases = [
+        (_qwen3(num_hidden_layers=3), "num_layers 2 (this model: 3)"),
+        (_qwen3(num_key_value_heads=4), "num_kv_heads 2 (this model: 4)"),
+        # The same [L, Hkv, D] filters, but the file recorded another vocabulary.
+        (_qwen3(vocab_size=101), "vocab_size 100 (this model: 101)"),
+    ]
+    for other, why in cases:
+        with pytest.raises(ValueError) as err:
+            build(CompressionConfig(method="qfilter", params={"calibration": good})).check_model(other)
+        message = str(err.value)
+        assert f"CompressionConfig.params.calibration={good!r}" in message and why in message, message
+        assert "another model (here)" in message
+
+
+def test_hf_cache_checks_the_calibration_file_before_the_first_forward(tmp_path: Path) -> None:
+    from kvllm.hf.cache import CompressingCache
+
+    path = _qfilter(tmp_path / "three-layers.safetensors", torch.randn(3, 2, 8))
+    config = CompressionConfig(method="qfilter", params={"calibration": path})
+    with pytest.raises(ValueError, match=r"num_layers 3 \(this model: 2\)"):
+        CompressingCache(_qwen3(), config, pad_lengths=[0])
 
 
 def test_qfilter_reads_a_file_written_again(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from kvllm.config import CompressionConfig
 from kvllm.vllm import engine
@@ -308,3 +309,28 @@ def test_a_request_cannot_name_a_calibration_file(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"params\.calibration cannot be set per request"):
         request_config(qfilter, {"kvllm": {"params": {"calibration": "/etc/passwd"}}})
     assert request_config(qfilter, {"kvllm": {"retention": 0.5}}).params["calibration"] == engine_path
+
+
+def test_a_calibration_file_of_another_model_fails_at_start_up(tmp_path) -> None:
+    """``check_vllm_config`` runs ``check_model`` in the process that builds the engine's
+    config, before any engine process starts, and refuses qfilter under tensor parallelism
+    (a rank's windows hold a share of the KV heads the file has)."""
+    from transformers import Qwen3Config
+
+    from kvllm.methods.qfilter import save_calibration
+    from kvllm.vllm.settings import check_model
+
+    model = Qwen3Config(
+        hidden_size=32, vocab_size=100, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    )
+    llama = str(tmp_path / "llama.safetensors")
+    save_calibration(llama, torch.randn(2, 2, 8), {"model": "m", "model_type": "llama"})
+    with pytest.raises(ValueError, match=r"model_type llama \(this model: qwen3\)"):
+        check_model(CompressionConfig(method="qfilter", params={"calibration": llama}), model, 1)
+    path = str(tmp_path / "qwen3.safetensors")
+    save_calibration(path, torch.randn(2, 2, 8), {"model": "m", "model_type": "qwen3"})
+    config = CompressionConfig(method="qfilter", params={"calibration": path})
+    check_model(config, model, 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*--tensor-parallel-size 1"):
+        check_model(config, model, 2)
+    check_model(CompressionConfig(method="kara"), model, 2)
