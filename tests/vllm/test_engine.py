@@ -54,32 +54,51 @@ def test_keep_all_matches_vanilla_on_32_concurrent_prompts(tiny_model: str) -> N
     assert all(o.compression["compressions"] >= 3 and o.compression["tokens_dropped"] == 0 for o in got)
 
 
+def _vllm_preemptions(llm: Any) -> int:
+    """vLLM's own ``vllm:num_preemptions`` counter (needs ``disable_log_stats=False``)."""
+    metrics = getattr(llm, "llm", llm).get_metrics()
+    return sum(int(m.value) for m in metrics if m.name == "vllm:num_preemptions")
+
+
 def test_keep_all_matches_vanilla_under_preemption(tiny_model: str) -> None:
-    small = {"num_gpu_blocks_override": 24}
+    small = {"num_gpu_blocks_override": 24, "disable_log_stats": False}
     with engine(tiny_model, None, plugin=False, **small) as vanilla:
         expected = token_ids(vanilla.generate(PROMPTS, greedy(160)))
     with engine(tiny_model, KEEP_ALL, **small) as llm:
         outs = llm.generate(PROMPTS, greedy(160))
-        assert scheduler(llm).kv_totals.preemptions > 0
+        preempted = scheduler(llm).kv_totals.preemptions
+        assert preempted > 0
+        # Without aborts every PREEMPTED event reaches vLLM's counter: the two agree.
+        assert _vllm_preemptions(llm) == preempted
     assert token_ids(outs) == expected
     assert all(o.compression is not None for o in outs)
 
 
 @pytest.mark.parametrize(
     ("method", "period"),
-    [("kara", 1), ("kara", 16), ("snapkv", 16), ("random", 4), ("compactor", 4), ("expected-attention", 4)],
+    [("kara", 1), ("qfilter", 16), ("snapkv", 16), ("random", 4), ("compactor", 4), ("expected-attention", 4)],
 )
-def test_vllm_path_selects_like_the_hf_reference(tiny_model: str, method: str, period: int) -> None:
+def test_vllm_path_selects_like_the_hf_reference(tiny_model: str, method: str, period: int, tmp_path) -> None:
     """fp32, retention 0.25: both backends count P in a sequence's own decode steps, so
     they compress at the same tokens, and draw the same random indices, whatever P.
     compactor and expected-attention read what else a window carries (values, positions,
-    the RoPE table and, for compactor's sketch, the seeds): both backends give the same."""
-    config = CompressionConfig(method=method, window=32, buffer=8, period=period, retention=0.25)
+    the RoPE table and, for compactor's sketch, the seeds): both backends give the same.
+    qfilter reads a calibration file of this model's queries, as `kvllm calibrate` writes."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
+    params = {}
+    if method == "qfilter":
+        from kvllm.hf.calibrate import q_filters
+        from kvllm.methods.qfilter import model_signature, save_calibration
+
+        path = tmp_path / "q_filters.safetensors"
+        filters = q_filters(model, [tok(p, return_tensors="pt")["input_ids"][0] for p in PROMPTS[-4:]])
+        save_calibration(path, filters, {"model": tiny_model, **model_signature(model.config)})
+        params = {"calibration": str(path)}
+    config = CompressionConfig(method=method, window=32, buffer=8, period=period, retention=0.25, params=params)
     prompts = PROMPTS[:6]
     with engine(tiny_model, config) as llm:
         got = llm.generate(prompts, greedy(150))
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
     for prompt, out in zip(prompts, got, strict=True):
         ref = hf_generate(model, tok, [prompt], config, 150, stop_at_eos=False)
         assert out.compression["compressions"] == ref.stats[0].compressions >= 2
@@ -145,9 +164,12 @@ def test_a_recomputed_request_compresses_its_generated_tokens_again(tiny_model: 
 
 
 def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str) -> None:
-    with engine(tiny_model, KARA, num_gpu_blocks_override=24) as llm:
+    with engine(tiny_model, KARA, num_gpu_blocks_override=24, disable_log_stats=False) as llm:
         result = _step_all(llm, PROMPTS, greedy(200), abort_at={0: 3, 5: 40, 9: 90, 17: 150})
         sched, run = scheduler(llm), runner(llm)
+        # An aborted request's pending PREEMPTED event never reaches vLLM's counter
+        # (docs/serving.md): KvLLM's count, made where the scheduler preempts, is never less.
+        assert _vllm_preemptions(llm) <= sched.kv_totals.preemptions
         # The scheduler's reported buffer size is the worker's real one.
         assert sched.kv_stats()["query_buffer_bytes_per_request"] == run.kv_ring.bytes_per_request
         assert sched.kv_totals.preemptions > 0 and sched.kv_totals.rounds > 0
