@@ -231,6 +231,10 @@ VLLM_DEFAULT_SHARE = 0.92
 # What a fitted share leaves of the free memory: the API server, the tokenizer and the
 # model's weights allocate after the worker's check.
 FIT_MARGIN = 0.9
+# Memory the API server and EngineCore processes take between this check (in the API
+# process) and the worker's own: on an 8.46 GiB node, 0.6-0.9 GiB, so that a share fitted
+# to the free memory alone failed the worker's check.
+STARTUP_RESERVE = 1.5 * 2**30
 
 
 def fitted_memory_share(ranks: int) -> float | None:
@@ -240,8 +244,9 @@ def fitted_memory_share(ranks: int) -> float | None:
     start when the node has less free (``CPUWorker.__init__``); on a machine whose node 0
     is partly in use, the default 0.92 fails at start-up. Returns ``None`` off CPU and
     when the default fits; else the largest share in hundredths that leaves
-    :data:`FIT_MARGIN` of the free memory of the tightest node, split among the worker
-    ranks that share a node, and logs what it chose. Raises ``ValueError`` when not even
+    :data:`FIT_MARGIN` of the free memory of the tightest node, less
+    :data:`STARTUP_RESERVE`, split among the worker ranks that share a node, and logs what
+    it chose. Raises ``ValueError`` when not even
     0.01 fits.
     """
     from vllm.platforms import current_platform
@@ -253,7 +258,7 @@ def fitted_memory_share(ranks: int) -> float | None:
     nodes = cpu_utils.get_visible_memory_node()
     per_node = -(-max(ranks, 1) // len(nodes))  # ranks are spread over the nodes
     infos = [cpu_utils.get_memory_node_info(node) for node in nodes]
-    fits = min(info.available_memory / info.total_memory / per_node for info in infos)
+    fits = min((info.available_memory - STARTUP_RESERVE) / info.total_memory / per_node for info in infos)
     if fits >= VLLM_DEFAULT_SHARE:
         return None
     share = int(FIT_MARGIN * fits * 100) / 100
