@@ -130,7 +130,8 @@ def run_accuracy_cell(
 
     if selector is not None and forced is None:
         raise ValueError(f"the {selector} runs teacher-forced only")
-    prompt_ids = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    # Only the selectors read the prompts' ids (their Full-KV passes run over prompt + forced).
+    prompt_ids = [tokenizer(p.prompt)["input_ids"] for p in problems] if selector is not None else []
     bound_inputs = _bound_inputs(model, tokenizer, prompt_ids, forced, window) if selector == BOUND else None
     records = []
     for sample in range(samples):

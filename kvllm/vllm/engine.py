@@ -246,8 +246,7 @@ def fitted_memory_share(ranks: int) -> float | None:
     when the default fits; else the largest share in hundredths that leaves
     :data:`FIT_MARGIN` of the free memory of the tightest node, less
     :data:`STARTUP_RESERVE`, split among the worker ranks that share a node, and logs what
-    it chose. Raises ``ValueError`` when not even
-    0.01 fits.
+    it chose. Raises ``ValueError`` when not even 0.01 fits.
     """
     from vllm.platforms import current_platform
 
