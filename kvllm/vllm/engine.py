@@ -232,8 +232,9 @@ VLLM_DEFAULT_SHARE = 0.92
 # model's weights allocate after the worker's check.
 FIT_MARGIN = 0.9
 # Memory the API server and EngineCore processes take between this check (in the API
-# process) and the worker's own: about 0.9 GiB on an 8.46 GiB node (7.92 free, then 7.0), so a share fitted
-# to the free memory alone failed the worker's check.
+# process) and the worker's own. On an 8.46 GiB node the worker saw 7.0 GiB free where
+# the API process of the next start saw 7.92: a share fitted to the free memory alone
+# (vLLM's 0.92 passed) failed the worker's check.
 STARTUP_RESERVE = 1.5 * 2**30
 
 
