@@ -41,7 +41,11 @@ class CellResult:
 
     ``fidelity_generated``/``fidelity_prompt`` pool the reads of every problem; the
     per-problem counts in ``problems`` give intervals and paired differences
-    (:mod:`kvllm.eval.stats`). ``held_mean``/``held_end`` average over problems the KV
+    (:mod:`kvllm.eval.stats`). ``fidelity_nonmodal`` pools the generated reads whose value
+    is not their chain's modal one, ``floor`` is the share of generated reads that are, and
+    ``modal_result_share`` the share of results equal to their chain's most common one
+    (:mod:`kvllm.eval.lookup`); cells written before these existed have ``None``.
+    ``held_mean``/``held_end`` average over problems the KV
     slots held for generated tokens over generated tokens, over decoding and at the end.
     """
 
@@ -63,6 +67,9 @@ class CellResult:
     recall: float | None = None
     held_mean: float | None = None
     held_end: float | None = None
+    fidelity_nonmodal: float | None = None
+    floor: float | None = None
+    modal_result_share: float | None = None
     problems: list[dict] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -201,6 +208,10 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
         "bucket_reads": t.bucket_reads,
         "bucket_right": t.bucket_right,
         "malformed": t.malformed_lines,
+        "modal_reads": t.modal_reads,
+        "modal_right": t.modal_right,
+        "results": t.results,
+        "modal_results": t.modal_results,
         "new_tokens": len(ids),
         "kept": stats.physical_length / stats.logical_length,
         "held_mean": stats.held_mean,
@@ -227,6 +238,9 @@ def _summarise(
         total = [r["reads"][source] for r in records]
         return ratio_of_sums([r["right"][source] for r in records], total) if sum(total) else None
 
+    generated = sum(r["reads"]["generated"] for r in records)
+    modal = sum(r["modal_reads"] for r in records)
+    results = sum(r["results"] for r in records)
     recalls = [r["recall"] for r in records if r["recall"] is not None]
     n = len(records)
     return CellResult(
@@ -248,6 +262,13 @@ def _summarise(
         recall=sum(recalls) / len(recalls) if recalls else None,
         held_mean=sum(r["held_mean"] for r in records) / n,
         held_end=sum(r["held_end"] for r in records) / n,
+        fidelity_nonmodal=(
+            (sum(r["right"]["generated"] - r["modal_right"] for r in records) / (generated - modal))
+            if generated > modal
+            else None
+        ),
+        floor=modal / generated if generated else None,
+        modal_result_share=sum(r["modal_results"] for r in records) / results if results else None,
         problems=records,
         params=_resolved(method, config),
     )

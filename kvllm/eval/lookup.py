@@ -9,6 +9,13 @@ model's arithmetic:
 - **lookup fidelity**: the share of operand reads that equal that value, split by where
   the value came from (the prompt's constants, or a line the model generated) and by how
   many tokens back it was written (:data:`BUCKETS`, in multiples of the window W);
+- **non-modal fidelity**: the same share over the generated reads whose value is not the
+  chain's modal one (the value its generated reads read most often). A writer of one
+  constant value scores the rest, the **floor**, for free: the shipped model writes
+  ``00`` for 56% of its trace results, and a second model that wrote ``00`` everywhere
+  met fidelity bars with no lookup at all (docs/training-attempts.md, "Session 12").
+  The **modal result share** (results equal to the chain's most common result) says
+  whether a model computes distinct values at all;
 - **self-recall** (gen-needle): the final answer equals the value the model wrote for
   ``key`` in its first line; **answer recall** (reason): the final answer equals the
   value the model last wrote for the asked variable, about 2,000 tokens back.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -78,22 +86,53 @@ class Read:
 
 @dataclass
 class LookupTally:
-    """Counts of one completion (or many, added up): reads and right reads per source and
-    per distance bucket of generated reads."""
+    """Counts of one completion: reads and right reads per source and per distance bucket
+    of generated reads; generated reads of the chain's modal value (the floor) and the
+    right ones among them; statement results and those equal to the most common one."""
 
     reads: dict[str, int] = field(default_factory=lambda: {"prompt": 0, "generated": 0})
     right: dict[str, int] = field(default_factory=lambda: {"prompt": 0, "generated": 0})
     bucket_reads: dict[str, int] = field(default_factory=lambda: {b[0]: 0 for b in BUCKETS})
     bucket_right: dict[str, int] = field(default_factory=lambda: {b[0]: 0 for b in BUCKETS})
     malformed_lines: int = 0
+    modal_reads: int = 0
+    modal_right: int = 0
+    results: int = 0
+    modal_results: int = 0
 
-    def add(self, read: Read, window: int) -> None:
+    def add(self, read: Read, window: int, modal: int | None = None) -> None:
+        """Count ``read``; a generated read of ``modal`` (the chain's modal value) also
+        counts toward the floor."""
         self.reads[read.source] += 1
         self.right[read.source] += read.right
-        if read.source == "generated" and read.distance is not None:
+        if read.source != "generated":
+            return
+        if read.expected == modal:
+            self.modal_reads += 1
+            self.modal_right += read.right
+        if read.distance is not None:
             label = bucket(read.distance, window)
             self.bucket_reads[label] += 1
             self.bucket_right[label] += read.right
+
+
+def modal_value(values: Sequence[int]) -> int | None:
+    """The most common of ``values`` (the smallest among ties), ``None`` if there are none."""
+    counts = Counter(values)
+    return min(counts, key=lambda v: (-counts[v], v)) if counts else None
+
+
+def _tally(graded: Sequence[Read], completion: str, window: int) -> LookupTally:
+    """A :class:`LookupTally` of one completion's graded reads, the floor included."""
+    t = LookupTally()
+    modal = modal_value([r.expected for r in graded if r.source == "generated"])
+    for read in graded:
+        t.add(read, window, modal)
+    t.malformed_lines = malformed_lines(completion)
+    values = [int(completion[d : d + 2]) for _, _, d in results(completion)]
+    t.results = len(values)
+    t.modal_results = values.count(modal_value(values)) if values else 0
+    return t
 
 
 def bucket(distance: int, window: int) -> str:
@@ -231,11 +270,7 @@ def tally(
     n_prompt: int | None = None,
 ) -> LookupTally:
     """A :class:`LookupTally` of one completion."""
-    t = LookupTally()
-    for read in reads(prompt, completion, token_of, prompt_token_of, n_prompt):
-        t.add(read, window)
-    t.malformed_lines = malformed_lines(completion)
-    return t
+    return _tally(reads(prompt, completion, token_of, prompt_token_of, n_prompt), completion, window)
 
 
 def char_to_token(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
@@ -259,14 +294,15 @@ def char_to_token(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
 
 def forced_tally(tokenizer, prompt: str, forced: Sequence[int], predictions: Sequence[int], window: int) -> LookupTally:
     """Teacher-forced lookup fidelity: a read of the forced completion is right when the
-    model's argmax at its digit tokens spells the value last written for its name."""
+    model's argmax at its digit tokens spells the value last written for its name. The
+    floor and the modal result share are the forced text's, so every method is graded on
+    the same non-modal reads."""
     text, owner = char_to_token(tokenizer, forced)
     prompt_ids = tokenizer(prompt)["input_ids"]
     _, prompt_owner = char_to_token(tokenizer, prompt_ids)
-    t = LookupTally()
+    graded = []
     for read in reads(prompt, text, owner, prompt_owner, len(prompt_ids)):
         digits = sorted({owner[read.start], owner[read.start + 1]})
         spelled = tokenizer.decode([predictions[i] for i in digits], skip_special_tokens=True).strip()
-        t.add(dataclasses.replace(read, right=spelled == f"{read.expected:02d}"), window)
-    t.malformed_lines = malformed_lines(text)
-    return t
+        graded.append(dataclasses.replace(read, right=spelled == f"{read.expected:02d}"))
+    return _tally(graded, text, window)

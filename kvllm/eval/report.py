@@ -103,10 +103,24 @@ def _reads(cell: CellResult, source: str = "generated") -> tuple[list[int], list
     return [p["right"][source] for p in cell.problems], [p["reads"][source] for p in cell.problems]
 
 
+def _nonmodal_reads(cell: CellResult) -> tuple[list[int], list[int]] | None:
+    """Per problem, right and all generated reads off the chain's modal value; ``None`` for
+    cells recorded before the floor was counted."""
+    if not all("modal_reads" in p for p in cell.problems):
+        return None
+    right, total = _reads(cell)
+    return (
+        [r - p["modal_right"] for r, p in zip(right, cell.problems, strict=True)],
+        [t - p["modal_reads"] for t, p in zip(total, cell.problems, strict=True)],
+    )
+
+
 def lookup_rows(results: Sequence[CellResult], reference: str = "kara") -> list[dict]:
     """Per cell with lookup records: fidelity of generated and prompt reads with 95%
-    bootstrap intervals, memory held, self-recall and exact match with Wilson intervals,
-    and ``reference`` minus this method on the same problems (paired bootstrap)."""
+    bootstrap intervals, the non-modal fidelity with its interval and the floor, memory
+    held, self-recall and exact match with Wilson intervals, and ``reference`` minus this
+    method on the same problems (paired bootstrap), on all generated reads and on the
+    non-modal ones."""
     from kvllm.eval.stats import bootstrap_ratio, paired_difference, wilson
 
     by_key = {r.key: r for r in results}
@@ -133,9 +147,17 @@ def lookup_rows(results: Sequence[CellResult], reference: str = "kara") -> list[
             "accuracy_ci": wilson(cell.correct, cell.n),
             "recall": cell.recall,
             "recall_ci": None,
+            "nonmodal": cell.fidelity_nonmodal,
+            "nonmodal_ci": None,
+            "floor": cell.floor,
+            "modal_result_share": cell.modal_result_share,
             "reference": reference,
             "vs_reference": None,
+            "vs_reference_nonmodal": None,
         }
+        nonmodal = _nonmodal_reads(cell)
+        if nonmodal is not None and sum(nonmodal[1]):
+            row["nonmodal_ci"] = bootstrap_ratio(*nonmodal)
         recalls = [p["recall"] for p in cell.problems if p["recall"] is not None]
         if recalls:
             row["recall_ci"] = wilson(sum(recalls), len(recalls))
@@ -146,6 +168,9 @@ def lookup_rows(results: Sequence[CellResult], reference: str = "kara") -> list[
             and [p["uid"] for p in ref.problems] == [p["uid"] for p in cell.problems]
         ):
             row["vs_reference"] = paired_difference(*_reads(ref), right, total)
+            ref_nonmodal = _nonmodal_reads(ref)
+            if nonmodal is not None and ref_nonmodal is not None and sum(nonmodal[1]):
+                row["vs_reference_nonmodal"] = paired_difference(*ref_nonmodal, *nonmodal)
         rows.append(row)
     return rows
 
@@ -164,31 +189,40 @@ def _by_setting(rows: Sequence[dict]) -> list[tuple[tuple, list[dict]]]:
     return sorted(groups.items())
 
 
+def _diff(d: tuple[float, float, float] | None) -> str:
+    return "-" if d is None else f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]"
+
+
+def _floor(row: dict) -> str:
+    return "-" if row["floor"] is None else f"{row['floor']:.2f}"
+
+
 def lookup_markdown(results: Sequence[CellResult], rows: Sequence[dict]) -> str:
     """Markdown: per (family, mode, W, b), a row per (method, retention) of ``rows``
-    (:func:`lookup_rows` of ``results``) with generated-read fidelity [95% CI],
-    prompt-read fidelity, memory held (mean, end), the paired difference to the rows'
-    reference, exact match and self-recall [Wilson 95%]; then fidelity by distance."""
+    (:func:`lookup_rows` of ``results``) with generated-read fidelity [95% CI], the
+    non-modal fidelity [95% CI] and the floor, prompt-read fidelity, memory held (mean,
+    end), the paired differences to the rows' reference, exact match and self-recall
+    [Wilson 95%]; then fidelity by distance."""
     out: list[str] = []
     for (family, mode, window, buffer), group in _by_setting(rows):
         reference = group[0]["reference"]
         out += [f"**{family}, {mode}, W={window}, b={buffer}** ({group[0]['n']} problems)", ""]
         out.append(
-            f"| method | r | generated-read fidelity [95% CI] | prompt reads | held (mean) | held (end) "
-            f"| {reference} - method [95% CI] | exact match [95% CI] | self-recall [95% CI] |"
+            f"| method | r | generated-read fidelity [95% CI] | non-modal [95% CI] | floor | prompt reads "
+            f"| held (mean) | held (end) | {reference} - method [95% CI] | {reference} - method, non-modal "
+            "| exact match [95% CI] | self-recall [95% CI] |"
         )
-        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for row in sorted(group, key=lambda r: (r["method"] != FULL, r["method"], r["retention"])):
-            diff = row["vs_reference"]
-            diff_text = "-" if diff is None else f"{diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]"
             # Teacher-forced text is Full KV's: its answers say nothing about the method.
             answers = "- | -"
             if mode == "free":
                 answers = f"{_ci(row['accuracy'], row['accuracy_ci'])} | {_ci(row['recall'], row['recall_ci'])}"
             out.append(
                 f"| {row['method']} | {row['retention']:g} | {_ci(row['fidelity'], row['fidelity_ci'])} "
+                f"| {_ci(row['nonmodal'], row['nonmodal_ci'])} | {_floor(row)} "
                 f"| {_ci(row['fidelity_prompt'], None)} | {row['held_mean']:.3f} | {row['held_end']:.3f} "
-                f"| {diff_text} | {answers} |"
+                f"| {_diff(row['vs_reference'])} | {_diff(row['vs_reference_nonmodal'])} | {answers} |"
             )
         out.append("")
     out += _distance_markdown(results)
@@ -229,11 +263,32 @@ def headline_markdown(rows: Sequence[dict]) -> str:
             continue
         out += ["", f"**{title}: {reference} minus each method, same problems [95% paired CI]**", "", header, rule]
         for m in (m for m in methods if m != reference):
-            diffs = [at.get((m, p), {}).get("vs_reference") for p in points]
-            texts = ["-" if d is None else f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]" for d in diffs]
-            out.append(f"| {m} | " + " | ".join(texts) + " |")
+            out.append(f"| {m} | " + " | ".join(_diff(at.get((m, p), {}).get("vs_reference")) for p in points) + " |")
         out.append("")
+        if any(r["nonmodal"] is not None for r in group):
+            out += _nonmodal_headline(title, reference, methods, points, at, group)
     return "\n".join(out)
+
+
+def _nonmodal_headline(
+    title: str, reference: str, methods: Sequence[str], points: Sequence[float], at: dict, group: Sequence[dict]
+) -> list[str]:
+    """The headline tables again on the reads off each chain's modal value, the floor beside."""
+    header = "| method | " + " | ".join(f"r={p:g}" for p in points) + " |"
+    rule = "| --- |" + " ---: |" * len(points)
+    out = [f"**{title}: non-modal generated-read fidelity [95% CI] (floor)**", "", header, rule]
+    for m in methods:
+        cells = [at.get((m, p)) for p in points]
+        texts = ["-" if c is None else f"{_ci(c['nonmodal'], c['nonmodal_ci'])} ({_floor(c)})" for c in cells]
+        out.append(f"| {m} | " + " | ".join(texts) + " |")
+    for full in (r for r in group if r["method"] == FULL):
+        out += ["", f"Full KV: non-modal {_ci(full['nonmodal'], full['nonmodal_ci'])}, floor {_floor(full)}"]
+    out += ["", f"**{title}: {reference} minus each method, non-modal reads [95% paired CI]**", "", header, rule]
+    for m in (m for m in methods if m != reference):
+        diffs = [at.get((m, p), {}).get("vs_reference_nonmodal") for p in points]
+        out.append(f"| {m} | " + " | ".join(_diff(d) for d in diffs) + " |")
+    out.append("")
+    return out
 
 
 def frontier_markdown(rows: Sequence[dict], levels: Sequence[float] = (0.3, 0.4, 0.45, 0.55, 0.6, 0.7)) -> str:

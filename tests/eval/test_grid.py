@@ -140,6 +140,15 @@ def test_eval_teacher_forced_with_the_oracle_and_the_bound(tmp_path: Path) -> No
     # The bound runs under Kara's policy and rounds: the same memory, other keys.
     bound = cells[("bound", 0.25, "trace", "teacher-forced", 32, 8)]
     assert bound.held_mean == kara.held_mean and bound.params == {}
+    # The floor is the forced text's: every teacher-forced cell grades the same non-modal reads.
+    floor = [(p["modal_reads"], p["results"], p["modal_results"]) for p in full_free.problems]
+    for cell in (full_tf, kara, bound):
+        assert [(p["modal_reads"], p["results"], p["modal_results"]) for p in cell.problems] == floor
+        total = sum(p["reads"]["generated"] - p["modal_reads"] for p in cell.problems)
+        right = sum(p["right"]["generated"] - p["modal_right"] for p in cell.problems)
+        assert cell.fidelity_nonmodal == right / total
+        assert cell.floor == sum(f[0] for f in floor) / sum(p["reads"]["generated"] for p in cell.problems)
+    assert full_tf.modal_result_share == sum(f[2] for f in floor) / sum(f[1] for f in floor)
     assert (out / "lookup.md").read_text().count("teacher-forced") >= 1
     assert (out / "frontier.png").stat().st_size > 0
 

@@ -13,6 +13,7 @@ from kvllm.eval.lookup import (
     char_to_token,
     forced_tally,
     malformed_lines,
+    modal_value,
     reads,
     self_recall,
     tally,
@@ -262,3 +263,52 @@ def test_prompt_distances_count_a_trailing_special_token() -> None:
     short = reads(PROMPT, text, owner, prompt_owner)
     exact = reads(PROMPT, text, owner, prompt_owner, len(prompt_ids))
     assert [r.distance - s.distance for r, s in zip(exact, short, strict=True)] == [1, 1]
+
+
+# A chain that writes 00 three times out of four; its reads of 00 are the floor.
+MODAL_PROMPT = "trace: evaluate and report dd.\n bo41\n ku13\n<think>"
+MODAL = (
+    "\n aa = bo - bo = bo41 - bo41 = aa00"  # prompt reads: not in the floor
+    "\n bb = aa + aa = aa00 + aa00 = bb00"  # two generated reads of 00
+    "\n cc = bb + ku = bb00 + ku13 = cc13"  # one of 00
+    "\n dd = cc - cc = cc13 - cc13 = dd00"  # two of 13
+    "\n ee = aa + cc = aa00 + cc12 = ee12"  # one of 00, one of 13 misread
+    "\n</think>"
+)
+
+
+def test_modal_value_is_the_most_common_and_the_smallest_among_ties() -> None:
+    assert modal_value([13, 0, 13, 0, 7]) == 0
+    assert modal_value([5, 9, 9, 5]) == 5
+    assert modal_value([42]) == 42
+    assert modal_value([]) is None
+
+
+def test_the_floor_is_the_generated_reads_of_the_chains_modal_value() -> None:
+    t = tally(MODAL_PROMPT, MODAL, window=32)
+    assert t.reads["generated"] == 7 and t.right["generated"] == 6
+    # 00 is read four times (bb's two reads, cc's and ee's first), all right; 13 three times, one misread.
+    assert (t.modal_reads, t.modal_right) == (4, 4)
+    # Five results: aa00 bb00 cc13 dd00 ee12; three are the modal 00.
+    assert (t.results, t.modal_results) == (5, 3)
+
+
+def test_a_constant_writer_scores_the_floor_and_nothing_off_it() -> None:
+    """The model of docs/training-attempts.md's session 12: every result and every read is
+    00. Its fidelity is perfect on a chain of 00s, and its off-floor reads are all wrong."""
+    constant = MODAL.replace("cc13", "cc00").replace("cc12", "cc00").replace("ee12", "ee00")
+    t = tally(MODAL_PROMPT, constant, window=32)
+    assert t.right["generated"] == t.reads["generated"] == t.modal_reads == t.modal_right == 7
+    assert t.modal_results == t.results == 5
+    # Forced through the honest chain, it reads 00 where 13 was written.
+    from transformers import AutoTokenizer
+
+    from kvllm.assets import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    forced = tokenizer(MODAL)["input_ids"]
+    predictions = tokenizer(constant)["input_ids"]
+    assert len(predictions) == len(forced)
+    f = forced_tally(tokenizer, MODAL_PROMPT, forced, predictions, window=32)
+    assert (f.modal_reads, f.modal_right) == (4, 4)  # the forced text's floor, not the predictions'
+    assert f.reads["generated"] - f.modal_reads == 3 and f.right["generated"] - f.modal_right == 0

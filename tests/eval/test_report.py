@@ -8,15 +8,25 @@ from kvllm.eval.grid import FULL, CellResult
 from kvllm.eval.report import headline_markdown, lookup_rows, pareto, plot_frontier
 
 
-def _cell(method: str, retention: float, right: list[int], held: float, mode: str = "teacher-forced") -> CellResult:
+def _cell(
+    method: str, retention: float, right: list[int], held: float, mode: str = "teacher-forced", modal: int | None = None
+) -> CellResult:
+    """Ten generated reads per problem, ``right[i]`` of them right; with ``modal``, the
+    first four reads are of the chain's modal value and the first ``modal`` of those right."""
     problems = [
         {"uid": str(i), "right": {"generated": k, "prompt": 1}, "reads": {"generated": 10, "prompt": 1}, "recall": None}
         for i, k in enumerate(right)
     ]
+    nonmodal = floor = None
+    if modal is not None:
+        for p in problems:
+            p.update(modal_reads=4, modal_right=modal, results=5, modal_results=3)
+        nonmodal, floor = (sum(right) - modal * len(right)) / (6 * len(right)), 0.4
     fidelity = sum(right) / (10 * len(right))
     return CellResult(
         method, retention, "trace", len(right), 0, 0.0, 100.0, held, 1.0, [False] * len(right), mode=mode,
         fidelity_generated=fidelity, fidelity_prompt=1.0, held_mean=held, held_end=held, problems=problems,
+        fidelity_nonmodal=nonmodal, floor=floor,
     )  # fmt: skip
 
 
@@ -39,6 +49,31 @@ def test_headline_tables_hold_every_cell_and_the_paired_differences(tmp_path: Pa
     assert "| snapkv | - | +0.200 [" in md
     assert "Full KV: 1.000" in md
     assert plot_frontier(lookup_rows(results), tmp_path / "f.png").stat().st_size > 0
+
+
+def test_non_modal_tables_grade_the_reads_off_the_floor_and_pair_them() -> None:
+    from kvllm.eval.report import lookup_markdown
+
+    results = [
+        _cell(FULL, 1.0, [10, 10, 10, 10], 1.0, modal=4),
+        # kara: 8 of 10 right, 4 of them on the floor: 4 of 6 off it.
+        _cell("kara", 0.2, [8, 8, 8, 8], 0.5, modal=4),
+        # snapkv: the same 8 of 10 overall, but only 2 on the floor: 6 of 6 off it.
+        _cell("snapkv", 0.2, [8, 8, 8, 8], 0.5, modal=2),
+    ]
+    rows = lookup_rows(results)
+    md = headline_markdown(rows)
+    assert "non-modal generated-read fidelity [95% CI] (floor)" in md
+    assert "| kara | 0.667 [0.667-0.667] (0.40) |" in md
+    assert "| snapkv | 1.000 [1.000-1.000] (0.40) |" in md
+    # Equal on all reads; kara - snapkv = 0.667 - 1.000 off the floor.
+    assert "| snapkv | +0.000 [" in md and "| snapkv | -0.333 [-0.333, -0.333] |" in md
+    assert "Full KV: non-modal 1.000 [1.000-1.000], floor 0.40" in md
+    assert "| kara | 0.2 | 0.800 [0.800-0.800] | 0.667 [0.667-0.667] | 0.40 |" in lookup_markdown([], rows)
+    # Cells recorded before the floor was counted still report, with dashes.
+    old = lookup_rows([_cell(FULL, 1.0, [10, 10], 1.0), _cell("kara", 0.2, [8, 8], 0.5)])
+    assert "non-modal" not in headline_markdown(old)
+    assert "| kara | 0.2 | 0.800 [0.800-0.800] | - | - |" in lookup_markdown([], old)
 
 
 def test_frontier_table_takes_each_method_best_cell_under_each_memory_level() -> None:
