@@ -9,6 +9,10 @@ the first token) and ITL (between streamed chunks), with p50/p90/p99. ``/metrics
 scraped before and after each point for preemptions and, under ``kvllm serve``, the
 compression counters. Systems alternate and rotate between repeats, as in
 :mod:`kvllm.bench.sweep`; ratios are taken within a repeat.
+
+With ``turns > 1`` the load is conversations instead (vLLM's client has no multi-turn
+dataset): :mod:`kvllm.bench.multiturn` runs them, at fixed concurrency only, with the
+same figures and the TTFT of turn 1 and of the later turns besides.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from kvllm.config import CompressionConfig
 SYSTEMS: tuple[str, ...] = ("vanilla", "kara")
 FIGURES: tuple[str, ...] = ("ttft", "tpot", "itl")
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
+# Multi-turn rows only: p50 TTFT of the conversations' first turns, and of every later one.
+TURN_KEYS: tuple[str, ...] = ("p50_ttft_turn1_ms", "p50_ttft_later_ms")
 # vLLM's counter, and KvLLM's (kvllm/vllm/metrics.py), summed over their label sets.
 COUNTERS = {
     "preemptions": "vllm:num_preemptions",
@@ -48,10 +54,16 @@ class ServeBench:
         Load points at a fixed request rate (requests/s, Poisson arrivals), unbounded
         concurrency.
     prompts
-        Requests per load point (vLLM's random dataset: ``input_len`` random tokens).
+        Requests per load point (vLLM's random dataset: ``input_len`` random tokens);
+        with ``turns > 1``, conversations per load point.
     prefix_len
         Random tokens every prompt starts with, before its own ``input_len`` (vLLM's
         ``--random-prefix-len``): a shared system prompt, which prefix caching serves.
+    turns
+        Requests per conversation. 1: independent requests, through vLLM's client. More:
+        each turn's prompt is the previous turn's prompt, its output and ``input_len``
+        new tokens (:mod:`kvllm.bench.multiturn`); ``concurrency`` is then conversations
+        in flight.
     pool_blocks
         The KV pool of both servers (``--num-gpu-blocks-override``).
     """
@@ -65,6 +77,7 @@ class ServeBench:
     input_len: int = 150
     prefix_len: int = 0
     output_len: int = 2048
+    turns: int = 1
     pool_blocks: int = 553
     max_num_seqs: int = 64
     repeats: int = 3
@@ -88,13 +101,27 @@ class ServeBench:
             raise ValueError(f"--repeats {self.repeats} / --prompts {self.prompts} is invalid: must be >= 1")
         if self.prefix_len < 0:
             raise ValueError(f"--prefix-len {self.prefix_len} is invalid: must be >= 0")
-        need = -(-(self.prefix_len + self.input_len + self.output_len) // self.compression.block_size) + 1
-        if self.pool_blocks < need:
+        if self.turns < 1:
+            raise ValueError(f"--turns {self.turns} is invalid: must be >= 1")
+        if self.turns > 1 and self.rates:
             raise ValueError(
-                f"--pool {self.pool_blocks} is invalid: one request of --prefix-len {self.prefix_len} + --input-len "
-                f"{self.input_len} + --output-len "
-                f"{self.output_len} needs {need} blocks"
+                f"--turns {self.turns} runs at fixed concurrency only: drop --rate {list(self.rates)} "
+                "(a conversation's next turn waits for its answer, so requests do not arrive at a rate)"
             )
+        need = -(-self.longest // self.compression.block_size) + 1
+        if self.pool_blocks < need:
+            lengths = f"--input-len {self.input_len} + --output-len {self.output_len}"
+            if self.turns == 1:
+                what = f"one request of --prefix-len {self.prefix_len} + {lengths}"
+            else:
+                what = f"one conversation's last turn of --prefix-len {self.prefix_len}"
+                what += f" + --turns {self.turns} x ({lengths})"
+            raise ValueError(f"--pool {self.pool_blocks} is invalid: {what} needs {need} blocks")
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest sequence: a conversation's last turn, prompt and output."""
+        return self.prefix_len + self.turns * (self.input_len + self.output_len)
 
     @property
     def points(self) -> list[tuple[str, float]]:
@@ -113,7 +140,7 @@ class ServeBench:
         return [
             "--dtype", "float32", "--block-size", str(self.compression.block_size),
             "--num-gpu-blocks-override", str(self.pool_blocks), "--max-num-seqs", str(self.max_num_seqs),
-            "--max-model-len", str(self.prefix_len + self.input_len + self.output_len + 64), "--enforce-eager",
+            "--max-model-len", str(self.longest + 64), "--enforce-eager",
             "--gpu-memory-utilization", "0.3", "--seed", str(self.seed),
         ]  # fmt: skip
 
@@ -165,7 +192,8 @@ def counters(base: str, names: dict[str, str] = COUNTERS) -> dict[str, float]:
 
 
 def row_of(system: str, repeat: int, kind: str, value: float, result: dict[str, Any], delta: dict[str, float]) -> dict:
-    """One load point's row: the client's figures under their vLLM names, and the counters."""
+    """One load point's row: the client's figures under their vLLM names (and, from the
+    multi-turn client, :data:`TURN_KEYS`), and the counters."""
     row: dict[str, Any] = {"system": system, "repeat": repeat, "load": kind, "value": value}
     for key in ("completed", "duration", "output_throughput", "total_token_throughput", "request_throughput"):
         row[key] = result.get(key)
@@ -173,6 +201,7 @@ def row_of(system: str, repeat: int, kind: str, value: float, result: dict[str, 
         row[f"mean_{figure}_ms"] = result.get(f"mean_{figure}_ms")
         for p in PERCENTILES:
             row[f"p{p}_{figure}_ms"] = result.get(f"p{p}_{figure}_ms")
+    row |= {key: result[key] for key in TURN_KEYS if key in result}
     return {**row, **{k: round(v, 1) for k, v in delta.items()}}
 
 
@@ -186,7 +215,11 @@ def run_system(bench: ServeBench, system: str, repeat: int, on_row: Callable[[di
     """Start one server, run every load point against it, stop it."""
     from vllm.benchmarks.serve import main as client
 
+    from kvllm.bench import multiturn
     from kvllm.vllm.launch import start_server, stop, wait_healthy
+
+    # Conversations' random prompts use the model's plain token ids (read once, before a server).
+    ids = multiturn.tokenizer_ids(bench.model) if bench.turns > 1 else []
 
     work = bench.out / "runs" / f"{system}-r{repeat}"
     work.mkdir(parents=True, exist_ok=True)
@@ -206,7 +239,10 @@ def run_system(bench: ServeBench, system: str, repeat: int, on_row: Callable[[di
             raise RuntimeError(f"{system} server: {err}:\n{(work / 'server.log').read_text()[-3000:]}") from err
         for kind, value in bench.points:
             before = counters(base)
-            result = client(client_args(bench, base, kind, value, work / f"{kind}-{value:g}"))
+            if bench.turns > 1:  # only concurrency points (__post_init__)
+                result = multiturn.run_point(bench, base, int(value), ids, work / f"{kind}-{value:g}")
+            else:
+                result = client(client_args(bench, base, kind, value, work / f"{kind}-{value:g}"))
             after = counters(base)
             on_row(row_of(system, repeat, kind, value, result, {k: after[k] - before[k] for k in after}))
     finally:

@@ -14,17 +14,26 @@ matplotlib.use("Agg")  # headless: files only
 import matplotlib.pyplot as plt
 
 from kvllm.bench.report import write_results
-from kvllm.bench.serving import FIGURES, PERCENTILES, SYSTEMS
+from kvllm.bench.serving import FIGURES, PERCENTILES, SYSTEMS, TURN_KEYS
 from kvllm.plots import save_figure
 
 BASELINE = "vanilla"
 # Figures compared with vanilla within a repeat: higher is better for throughput, lower for latency.
 COMPARED = ("output_throughput", "p99_ttft_ms", "p50_tpot_ms", "p99_itl_ms")
+# Multi-turn rows also compare the later turns' TTFT, where the two prefix caches differ.
+TURN_COMPARED = ("p50_ttft_later_ms",)
+
+
+def _multi_turn(rows: Sequence[dict[str, Any]]) -> bool:
+    return any(key in r for r in rows for key in TURN_KEYS)
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per system and load point: every figure's mean over repeats, tok/s min-max, and
-    each of :data:`COMPARED` over vanilla's in the same repeat (mean, min, max)."""
+    each of :data:`COMPARED` (and, for multi-turn rows, :data:`TURN_COMPARED`) over
+    vanilla's in the same repeat (mean, min, max)."""
+    turns = _multi_turn(rows)
+    compared = COMPARED + (TURN_COMPARED if turns else ())
     by = {(r["system"], r["load"], r["value"], r["repeat"]): r for r in rows}
     points = sorted({(r["load"], r["value"]) for r in rows})
     cells = []
@@ -34,16 +43,19 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             cell: dict[str, Any] = {"system": system, "load": load, "value": value, "repeats": len(mine)}
             figures = ["output_throughput", "preemptions", "rounds"]
             figures += [f"p{p}_{f}_ms" for f in FIGURES for p in PERCENTILES]
+            figures += [*TURN_KEYS, "prefix_hits"] if turns else []
             for key in figures:
                 values = [r[key] for r in mine if r.get(key) is not None]
                 cell[key] = round(statistics.fmean(values), 2) if values else None
             tok = [r["output_throughput"] for r in mine]
             cell["tok_s_min"], cell["tok_s_max"] = round(min(tok), 1), round(max(tok), 1)
-            for key in COMPARED:
+            for key in compared:
                 ratios = [
                     r[key] / by[(BASELINE, load, value, r["repeat"])][key]
                     for r in mine
-                    if (BASELINE, load, value, r["repeat"]) in by and by[(BASELINE, load, value, r["repeat"])][key]
+                    if (BASELINE, load, value, r["repeat"]) in by
+                    and r.get(key) is not None
+                    and by[(BASELINE, load, value, r["repeat"])].get(key)
                 ]
                 if ratios and system != BASELINE:
                     cell[f"{key}_ratio"] = [round(x, 3) for x in (statistics.fmean(ratios), min(ratios), max(ratios))]
@@ -52,9 +64,12 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def markdown_table(cells: Sequence[dict[str, Any]]) -> str:
+    turns = _multi_turn(cells)
+    compared = COMPARED + (TURN_COMPARED if turns else ())
     head = ["load", "system", "output tok/s [min-max]", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms"]
     head += ["ITL p50/p90/p99 ms", "preempt.", "rounds"]
-    head += [f"{k} / {BASELINE}" for k in COMPARED]
+    head += ["TTFT p50 turn 1 / later ms", "prefix-cache hits"] if turns else []
+    head += [f"{k} / {BASELINE}" for k in compared]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for c in cells:
         load = f"C={c['value']:g}" if c["load"] == "concurrency" else f"{c['value']:g} req/s"
@@ -62,7 +77,10 @@ def markdown_table(cells: Sequence[dict[str, Any]]) -> str:
         for f in FIGURES:
             row.append("/".join("-" if c[f"p{p}_{f}_ms"] is None else f"{c[f'p{p}_{f}_ms']:.0f}" for p in PERCENTILES))
         row += [f"{c['preemptions']:.0f}", f"{c['rounds']:.0f}"]
-        for key in COMPARED:
+        if turns:
+            row.append("/".join("-" if c.get(k) is None else f"{c[k]:.0f}" for k in TURN_KEYS))
+            row.append("-" if c.get("prefix_hits") is None else f"{c['prefix_hits']:.0f}")
+        for key in compared:
             r = c.get(f"{key}_ratio")
             row.append("-" if r is None else f"{r[0]:.2f} [{r[1]:.2f}-{r[2]:.2f}]")
         lines.append("| " + " | ".join(row) + " |")

@@ -129,12 +129,21 @@ def bench_serve(
         list[str], typer.Option(help="Load points: requests in flight (commas).")
     ] = SERVE_CONCURRENCY,
     rate: Annotated[list[str] | None, typer.Option(help="Load points: requests/s, Poisson (commas).")] = None,
-    prompts: Annotated[int, typer.Option(help="Requests per load point.")] = 32,
+    prompts: Annotated[int, typer.Option(help="Requests per load point (with --turns, conversations).")] = 32,
     input_len: Annotated[int, typer.Option(help="Prompt tokens (vLLM's random dataset).")] = 150,
     prefix_len: Annotated[
         int, typer.Option(help="Shared prompt prefix before each prompt's own tokens (a system prompt).")
     ] = 0,
     output_len: Annotated[int, typer.Option(help="Output tokens per request (EOS ignored).")] = 2048,
+    turns: Annotated[
+        int,
+        typer.Option(
+            help="Requests per conversation, sent one after another. A turn is one request whose prompt is the "
+            "previous turn's prompt and answer plus --input-len new tokens (a chat resending its history); "
+            "--concurrency is then conversations in flight, and --rate is not allowed. 1: independent requests "
+            "through vLLM's client."
+        ),
+    ] = 1,
     pool: Annotated[int, typer.Option(help="KV pool of both servers, in blocks.")] = 553,
     max_num_seqs: Annotated[int, typer.Option(help="vLLM's --max-num-seqs for both servers.")] = 64,
     repeats: Annotated[int, typer.Option(help="Server starts per system (systems alternate).")] = 3,
@@ -144,7 +153,7 @@ def bench_serve(
     period: Period = D.period,
     out: Annotated[Path, typer.Option(help="Output folder (reruns resume).")] = Path("bench-serve"),
 ) -> None:
-    """Serving benchmark: vLLM's API server vs kvllm serve, with vLLM's own client (TTFT/TPOT/ITL)."""
+    """Serving benchmark: vLLM's API server vs kvllm serve, with vLLM's client (TTFT/TPOT/ITL) or chats (--turns)."""
     from kvllm.bench.serving import ServeBench, run_bench
     from kvllm.bench.serving_report import write_report
 
@@ -154,7 +163,7 @@ def bench_serve(
         bench = ServeBench(
             model=str(path), out=out, systems=tuple(split(system)), concurrency=tuple(split(concurrency, int)),
             rates=tuple(split(rate or [], float)), prompts=prompts, input_len=input_len, prefix_len=prefix_len,
-            output_len=output_len, pool_blocks=pool, max_num_seqs=max_num_seqs, repeats=repeats,
+            output_len=output_len, turns=turns, pool_blocks=pool, max_num_seqs=max_num_seqs, repeats=repeats,
             compression=compression,
         )  # fmt: skip
     except ValueError as err:
@@ -162,7 +171,8 @@ def bench_serve(
     with progress() as bar:
         job = bar.add_task("bench serve", total=len(bench.order()) * len(bench.points))
         rows = run_bench(bench, lambda message: bar.update(job, advance=1, description=message))
-    cells = write_report(rows, out, title=f"{path.name}, {output_len} output tokens/request, pool {pool} blocks")
+    shape = f"{output_len} output tokens/request" + (f", {turns} turns/conversation" if turns > 1 else "")
+    cells = write_report(rows, out, title=f"{path.name}, {shape}, pool {pool} blocks")
     console.print((out / "summary.md").read_text(), markup=False, highlight=False)
     console.print(f"{len(cells)} cells; wrote {out}/results.csv, results.json, summary.json, summary.md, serving.png")
 
