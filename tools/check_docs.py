@@ -141,6 +141,16 @@ def kara_ahead(method: str) -> set[float]:
     return {r for (m, mode, r), row in rows if (m, mode) == (method, "teacher-forced") and row["vs_reference"][1] > 0}
 
 
+def kara_ahead_nonmodal(method: str) -> set[float]:
+    """:func:`kara_ahead` on the reads off each chain's modal value."""
+    rows = lookup().items()
+    return {
+        r
+        for (m, mode, r), row in rows
+        if (m, mode) == (method, "teacher-forced") and row["vs_reference_nonmodal"][1] > 0
+    }
+
+
 def snapkv_below_kara() -> tuple[float, float]:
     """How far SnapKV-threshold's tok/s falls below Kara's, in percent, over the
     inversion's C (one repeat: the ratios to vanilla share a repeat)."""
@@ -198,6 +208,29 @@ ACCURACY = [
         "Kara is ahead of SnapKV and ChunkKV only at r={}",
         LOOKUP,
         lambda: sorted(kara_ahead("snapkv") | kara_ahead("chunkkv")),
+    ),
+    Claim(
+        "the floor: the share of Full KV's generated reads that are of their chain's modal value",
+        "{} of Full KV's generated reads here",
+        LOOKUP,
+        lambda: (lookup()[("full", "teacher-forced", 1.0)]["floor"],),
+    ),
+    Claim(
+        "non-modal fidelity at r=0.2: Full KV, Kara and its CI, SnapKV, ChunkKV, PyramidKV",
+        "other reads Full KV reads back {}, Kara {} [{}-{}], SnapKV {}, ChunkKV {} and PyramidKV {}",
+        LOOKUP,
+        lambda: (
+            lookup()[("full", "teacher-forced", 1.0)]["nonmodal"],
+            lookup()[("kara", "teacher-forced", 0.2)]["nonmodal"],
+            *lookup()[("kara", "teacher-forced", 0.2)]["nonmodal_ci"],
+            *(lookup()[(m, "teacher-forced", 0.2)]["nonmodal"] for m in ("snapkv", "chunkkv", "pyramidkv")),
+        ),
+    ),
+    Claim(
+        "retentions where Kara is ahead of SnapKV or ChunkKV on non-modal reads (paired CI above 0)",
+        "Kara ahead of SnapKV or ChunkKV at {} of the five retentions",
+        LOOKUP,
+        lambda: (len(kara_ahead_nonmodal("snapkv") | kara_ahead_nonmodal("chunkkv")),),
     ),
     Claim(
         "free-running Kara and ChunkKV at r=0.2",

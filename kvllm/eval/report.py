@@ -273,13 +273,21 @@ def headline_markdown(rows: Sequence[dict]) -> str:
 def _nonmodal_headline(
     title: str, reference: str, methods: Sequence[str], points: Sequence[float], at: dict, group: Sequence[dict]
 ) -> list[str]:
-    """The headline tables again on the reads off each chain's modal value, the floor beside."""
+    """The headline tables again on the reads off each chain's modal value, with the floor:
+    once when every cell shares it (teacher-forced cells grade the forced text's), else
+    beside each cell (free cells grade each method's own chains)."""
     header = "| method | " + " | ".join(f"r={p:g}" for p in points) + " |"
     rule = "| --- |" + " ---: |" * len(points)
-    out = [f"**{title}: non-modal generated-read fidelity [95% CI] (floor)**", "", header, rule]
+    floors = {r["floor"] for r in group}
+    shared = len(floors) == 1
+    heading = f"floor {_floor(group[0])} in every cell" if shared else "floor"
+    out = [f"**{title}: non-modal generated-read fidelity [95% CI] ({heading})**", "", header, rule]
     for m in methods:
         cells = [at.get((m, p)) for p in points]
-        texts = ["-" if c is None else f"{_ci(c['nonmodal'], c['nonmodal_ci'])} ({_floor(c)})" for c in cells]
+        texts = [
+            "-" if c is None else _ci(c["nonmodal"], c["nonmodal_ci"]) + ("" if shared else f" ({_floor(c)})")
+            for c in cells
+        ]
         out.append(f"| {m} | " + " | ".join(texts) + " |")
     for full in (r for r in group if r["method"] == FULL):
         out += ["", f"Full KV: non-modal {_ci(full['nonmodal'], full['nonmodal_ci'])}, floor {_floor(full)}"]

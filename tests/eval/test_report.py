@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from kvllm.eval.grid import FULL, CellResult
@@ -63,13 +64,18 @@ def test_non_modal_tables_grade_the_reads_off_the_floor_and_pair_them() -> None:
     ]
     rows = lookup_rows(results)
     md = headline_markdown(rows)
-    assert "non-modal generated-read fidelity [95% CI] (floor)" in md
-    assert "| kara | 0.667 [0.667-0.667] (0.40) |" in md
-    assert "| snapkv | 1.000 [1.000-1.000] (0.40) |" in md
+    # Every cell shares the floor (as teacher-forced cells do): it is said once.
+    assert "non-modal generated-read fidelity [95% CI] (floor 0.40 in every cell)" in md
+    assert "| kara | 0.667 [0.667-0.667] |" in md
+    assert "| snapkv | 1.000 [1.000-1.000] |" in md
     # Equal on all reads; kara - snapkv = 0.667 - 1.000 off the floor.
     assert "| snapkv | +0.000 [" in md and "| snapkv | -0.333 [-0.333, -0.333] |" in md
     assert "Full KV: non-modal 1.000 [1.000-1.000], floor 0.40" in md
     assert "| kara | 0.2 | 0.800 [0.800-0.800] | 0.667 [0.667-0.667] | 0.40 |" in lookup_markdown([], rows)
+    # Free cells grade each method's own chains: each cell shows its floor.
+    free = [_cell(FULL, 1.0, [10, 10], 1.0, "free", modal=4), _cell("kara", 0.2, [8, 8], 0.5, "free", modal=4)]
+    free[1] = dataclasses.replace(free[1], floor=0.3)
+    assert "| kara | 0.667 [0.667-0.667] (0.30) |" in headline_markdown(lookup_rows(free))
     # Cells recorded before the floor was counted still report, with dashes.
     old = lookup_rows([_cell(FULL, 1.0, [10, 10], 1.0), _cell("kara", 0.2, [8, 8], 0.5)])
     assert "non-modal" not in headline_markdown(old)
