@@ -290,7 +290,12 @@ def _nonmodal_headline(
         ]
         out.append(f"| {m} | " + " | ".join(texts) + " |")
     for full in (r for r in group if r["method"] == FULL):
-        out += ["", f"Full KV: non-modal {_ci(full['nonmodal'], full['nonmodal_ci'])}, floor {_floor(full)}"]
+        share = full["modal_result_share"]
+        out.append("")
+        out.append(
+            f"Full KV: non-modal {_ci(full['nonmodal'], full['nonmodal_ci'])}, floor {_floor(full)}, "
+            f"modal result share {'-' if share is None else f'{share:.3f}'}"
+        )
     out += ["", f"**{title}: {reference} minus each method, non-modal reads [95% paired CI]**", "", header, rule]
     for m in (m for m in methods if m != reference):
         diffs = [at.get((m, p), {}).get("vs_reference_nonmodal") for p in points]

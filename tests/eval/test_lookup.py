@@ -312,3 +312,17 @@ def test_a_constant_writer_scores_the_floor_and_nothing_off_it() -> None:
     f = forced_tally(tokenizer, MODAL_PROMPT, forced, predictions, window=32)
     assert (f.modal_reads, f.modal_right) == (4, 4)  # the forced text's floor, not the predictions'
     assert f.reads["generated"] - f.modal_reads == 3 and f.right["generated"] - f.modal_right == 0
+
+
+@pytest.mark.parametrize("family", ["trace", "reason"])
+def test_the_tasks_own_chains_write_distinct_results(family: str) -> None:
+    """The reference chains (true arithmetic) are the scale of the modal result share:
+    about 0.07-0.08 over 64 seeds (docs/training-attempts.md, "Session 13"), far from the
+    0.56 of the shipped model, which cannot add."""
+    difficulty = Difficulty(constants=8, steps=48) if family == "trace" else None
+    results = modal = 0
+    for seed in range(16):
+        task = make_task(family, seed, difficulty) if difficulty else make_task(family, seed)
+        t = tally(task.prompt, task.target, window=128)
+        results, modal = results + t.results, modal + t.modal_results
+    assert results > 16 * 40 and modal / results < 0.15

@@ -23,11 +23,12 @@ def _cell(
         for p in problems:
             p.update(modal_reads=4, modal_right=modal, results=5, modal_results=3)
         nonmodal, floor = (sum(right) - modal * len(right)) / (6 * len(right)), 0.4
+    share = None if modal is None else 0.6
     fidelity = sum(right) / (10 * len(right))
     return CellResult(
         method, retention, "trace", len(right), 0, 0.0, 100.0, held, 1.0, [False] * len(right), mode=mode,
         fidelity_generated=fidelity, fidelity_prompt=1.0, held_mean=held, held_end=held, problems=problems,
-        fidelity_nonmodal=nonmodal, floor=floor,
+        fidelity_nonmodal=nonmodal, floor=floor, modal_result_share=share,
     )  # fmt: skip
 
 
@@ -70,7 +71,7 @@ def test_non_modal_tables_grade_the_reads_off_the_floor_and_pair_them() -> None:
     assert "| snapkv | 1.000 [1.000-1.000] |" in md
     # Equal on all reads; kara - snapkv = 0.667 - 1.000 off the floor.
     assert "| snapkv | +0.000 [" in md and "| snapkv | -0.333 [-0.333, -0.333] |" in md
-    assert "Full KV: non-modal 1.000 [1.000-1.000], floor 0.40" in md
+    assert "Full KV: non-modal 1.000 [1.000-1.000], floor 0.40, modal result share 0.600" in md
     assert "| kara | 0.2 | 0.800 [0.800-0.800] | 0.667 [0.667-0.667] | 0.40 |" in lookup_markdown([], rows)
     # Free cells grade each method's own chains: each cell shows its floor.
     free = [_cell(FULL, 1.0, [10, 10], 1.0, "free", modal=4), _cell("kara", 0.2, [8, 8], 0.5, "free", modal=4)]
