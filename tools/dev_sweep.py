@@ -97,6 +97,15 @@ VARIANTS: list[tuple[str, dict, int, int]] = [
     ("kara-vpool", {"max_gap": 4}, 128, 32),
     ("kara-vpool", {"max_gap": 32}, 128, 32),
     ("kara-vpool", {"beta": 0.0}, 128, 32),
+    # Its second round: the two knobs that helped, together, and rho=1 (every top token an endpoint).
+    ("kara-vpool", {"rho": 0.75, "max_gap": 4}, 128, 32),
+    ("kara-vpool", {"rho": 1.0}, 128, 32),
+    ("kara-vpool", {"rho": 1.0, "max_gap": 4}, 128, 32),
+    ("kara-vpool", {"pool_kernel": 7, "rho": 0.75, "max_gap": 4}, 128, 32),
+    # Its third round: the kernel around that best, on the non-modal grade.
+    ("kara-vpool", {"pool_kernel": 5, "rho": 0.75, "max_gap": 4}, 128, 32),
+    ("kara-vpool", {"pool_kernel": 9, "rho": 0.75, "max_gap": 4}, 128, 32),
+    ("kara-vpool", {"pool_kernel": 7, "rho": 1.0}, 128, 32),
     ("noncausal-attn", {}, 128, 32),
 ]
 
