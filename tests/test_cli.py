@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,7 @@ def test_bench_selection_runs_on_a_small_shape(monkeypatch: pytest.MonkeyPatch) 
     class Spy:
         def __init__(self, config: CompressionConfig) -> None:
             self.config, self.method = config, build(config)
+            self.reads_values = self.method.reads_values
 
         def select(self, window: Window, budget: int) -> Selection:
             calls.append((self.config.method, tuple(window.queries.shape), tuple(window.keys.shape), budget))
@@ -73,6 +75,22 @@ def test_bench_selection_runs_on_a_small_shape(monkeypatch: pytest.MonkeyPatch) 
     assert [row[:2] for row in timed] == [["kara", "1"], ["snapkv", "1"]]
     for _, _, median, low, high in timed:
         assert 0 <= float(low) <= float(median) <= float(high)
+
+
+def test_bench_selection_times_the_window_read_beside_the_selection() -> None:
+    args = ["bench", "selection", "--method", "kara,kara-vnorm", "--layers", "2", "--heads", "4", "--kv-heads", "2"]
+    result = runner.invoke(app, [*args, "--head-dim", "32", "--repeats", "2", "--window-read"])
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "a round: the window read from the paged cache, and the selection" in out
+    # A row per method: whether it reads values, its read, selection and round, and what
+    # reading the values would add, in ms and %; kara reads none, kara-vnorm does.
+    rows = {line.split()[1]: line for line in result.output.splitlines() if "%" in line}
+    assert set(rows) == {"kara", "kara-vnorm"}
+    assert rows["kara"].split()[3] == "no" and rows["kara-vnorm"].split()[3] == "yes"
+    for row in rows.values():
+        read, select, total = (float(x) for x in re.findall(r"\d+\.\d", row)[:3])
+        assert abs(read + select - total) <= 0.11
 
 
 def test_generate_on_the_vllm_backend(tmp_path: Path) -> None:

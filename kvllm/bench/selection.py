@@ -21,6 +21,7 @@ class SelectionTiming:
     min_ms: float
     max_ms: float
     repeats: int
+    reads_values: bool = False  # the method's Method.reads_values
 
 
 def time_selection(
@@ -60,7 +61,53 @@ def time_selection(
         start = time.perf_counter()
         method.select(window, config.budget)
         times.append((time.perf_counter() - start) * 1e3)
-    return SelectionTiming(config.method, statistics.median(times), min(times), max(times), repeats)
+    return SelectionTiming(
+        config.method, statistics.median(times), min(times), max(times), repeats, method.reads_values
+    )
+
+
+@dataclass(frozen=True)
+class ReadTiming:
+    """Median wall time of reading one round's window from vLLM's CPU paged layout
+    (:func:`kvllm.vllm.paged.read_spans`)."""
+
+    with_values_ms: float  # keys and values: for methods that read values
+    keys_only_ms: float  # keys alone: for the rest (``Method.reads_values`` False)
+    repeats: int
+
+
+def time_window_read(
+    *,
+    layers: int = 36,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    batch: int = 1,
+    span: int = 160,
+    block_size: int = 16,
+    repeats: int = 5,
+    seed: int = 0,
+) -> ReadTiming:
+    """Wall time of :func:`kvllm.vllm.paged.read_spans` over ``batch`` spans of ``span``
+    slots in random blocks of every layer's cache, fp32 (the CPU backend's ``vec``
+    layout), with the values and without."""
+    from kvllm.vllm import paged
+
+    gen = torch.Generator().manual_seed(seed)
+    per_request = -(-span // block_size)
+    blocks = batch * per_request + 1
+    caches = [torch.randn(blocks, kv_heads, block_size, 2 * head_dim, generator=gen) for _ in range(layers)]
+    tables = torch.randperm(blocks, generator=gen)[: batch * per_request].view(batch, per_request)
+    slots = torch.stack([paged.slots_of(t, torch.arange(span), block_size) for t in tables])
+    timed = {}
+    for values in (True, False):
+        paged.read_spans(caches, slots, values=values)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            paged.read_spans(caches, slots, values=values)
+            times.append((time.perf_counter() - start) * 1e3)
+        timed[values] = statistics.median(times)
+    return ReadTiming(timed[True], timed[False], repeats)
 
 
 def timing_table(timings: list[SelectionTiming], window: int, buffer: int, shape: dict[str, int], batch: int) -> Table:
@@ -74,4 +121,25 @@ def timing_table(timings: list[SelectionTiming], window: int, buffer: int, shape
         table.add_column(col, justify="right")
     for t in timings:
         table.add_row(t.method, str(batch), f"{t.median_ms:.1f}", f"{t.min_ms:.1f}", f"{t.max_ms:.1f}")
+    return table
+
+
+def read_table(read: ReadTiming, timings: list[SelectionTiming]) -> Table:
+    """Each method's round: the window's read (with the values only if the method reads
+    them) and its selection; and what reading the values would add to it."""
+    table = Table(title="a round: the window read from the paged cache, and the selection (median ms)")
+    for col in ("method", "reads values", "read", "select", "round", "values would add"):
+        table.add_column(col, justify="right")
+    added = read.with_values_ms - read.keys_only_ms
+    for t in timings:
+        ms = read.with_values_ms if t.reads_values else read.keys_only_ms
+        keys_round = read.keys_only_ms + t.median_ms
+        table.add_row(
+            t.method,
+            "yes" if t.reads_values else "no",
+            f"{ms:.1f}",
+            f"{t.median_ms:.1f}",
+            f"{ms + t.median_ms:.1f}",
+            f"{added:+.1f} ({100 * added / keys_round:+.1f}%)",
+        )
     return table

@@ -40,14 +40,23 @@ def bench_selection(
     head_dim: Annotated[int, typer.Option(help="Head dimension.")] = 128,
     batch: Annotated[int, typer.Option(help="Windows selected together.")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed repeats.")] = 5,
+    window_read: Annotated[
+        bool,
+        typer.Option(help="Also time reading the window's keys and values from vLLM's paged CPU cache layout."),
+    ] = False,
 ) -> None:
     """Time one window's selection (scoring + choice) for a model shape."""
-    from kvllm.bench.selection import time_selection, timing_table
+    from kvllm.bench.selection import read_table, time_selection, time_window_read, timing_table
 
     configs = [make_config(method=m, retention=retention, window=window, buffer=buffer) for m in split(method)]
     shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
     timings = [time_selection(c, **shape, batch=batch, repeats=repeats) for c in configs]
     console.print(timing_table(timings, window, buffer, shape, batch))
+    if window_read:
+        read = time_window_read(
+            layers=layers, kv_heads=kv_heads, head_dim=head_dim, batch=batch, span=window + buffer, repeats=repeats
+        )
+        console.print(read_table(read, timings))
 
 
 def bench_throughput(

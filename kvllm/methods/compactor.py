@@ -121,6 +121,10 @@ class Compactor(Method):
     name = "compactor"
     Params = CompactorParams
 
+    @property
+    def reads_values(self) -> bool:
+        return True
+
     def select(self, window: Window, budget: int) -> Selection:
         window.require("values", "rope", "seeds", method=self.name)
         p = self.params

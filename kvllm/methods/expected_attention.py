@@ -136,6 +136,10 @@ class ExpectedAttention(Method):
     name = "expected-attention"
     Params = ExpectedAttentionParams
 
+    @property
+    def reads_values(self) -> bool:
+        return self.params.use_vnorm
+
     def select(self, window: Window, budget: int) -> Selection:
         p = self.params
         window.require("positions", "rope", *(("values",) if p.use_vnorm else ()), method=self.name)

@@ -60,6 +60,10 @@ class _KaraValue(Kara):
     vnorm: ClassVar[bool]
     pooled: ClassVar[bool]
 
+    @property
+    def reads_values(self) -> bool:
+        return self.vnorm
+
     def select(self, window: Window, budget: int) -> Selection:
         p = self.params
         scores = attention_scores(window, causal=False)

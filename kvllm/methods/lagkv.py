@@ -118,6 +118,10 @@ class LagKV(Method):
     name = "lagkv"
     Params = LagKVParams
 
+    @property
+    def reads_values(self) -> bool:
+        return True
+
     def select(self, window: Window, budget: int) -> Selection:
         window.require("values", method=self.name)
         p = self.params

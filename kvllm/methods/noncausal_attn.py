@@ -72,6 +72,10 @@ def noncausal_scores(window: Window, method: str) -> Tensor:
 class NonCausalAttn(Method):
     name = "noncausal-attn"
 
+    @property
+    def reads_values(self) -> bool:
+        return True
+
     def select(self, window: Window, budget: int) -> Selection:
         scores = noncausal_scores(window, self.name)
         return Selection(topk_sorted(scores, min(budget, window.n_compress)))

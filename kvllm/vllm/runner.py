@@ -220,24 +220,21 @@ class CompressingCPUModelRunner(CPUModelRunner):
         first = torch.tensor([c.region.start + span - n_queries + c.dropped for c in group])
         positions = (first.unsqueeze(1) + torch.arange(n_queries)) % ring.ring  # [B, nq]
         ring_slots = torch.tensor([ring.slot(c.req_id) for c in group]).unsqueeze(1)
-        b = len(group)
-        keys, values, queries = [], [], []
-        for layer, q in zip(self.kv_layers, ring.queries, strict=True):
-            k, v = paged.read(layer.kv_cache, span_slots.flatten())  # [Hkv, B * span, D]
-            keys.append(k.unflatten(1, (b, span)).transpose(0, 1))
-            values.append(v.unflatten(1, (b, span)).transpose(0, 1))
-            queries.append(q[ring_slots, positions].permute(0, 2, 1, 3))  # [B, Hq, nq, D]
+        method = build(config)
+        caches = [layer.kv_cache for layer in self.kv_layers]
+        keys, values = paged.read_spans(caches, span_slots, values=method.reads_values)
+        queries = [q[ring_slots, positions].permute(0, 2, 1, 3) for q in ring.queries]  # [B, Hq, nq, D] each
         window = Window(
             queries=self._all_heads(torch.stack(queries, dim=1)),  # [B, L, Hq, nq, D]
-            keys=self._all_heads(torch.stack(keys, dim=1)),  # [B, L, Hkv, span, D]
+            keys=self._all_heads(keys),  # [B, L, Hkv, span, D]
             n_compress=n_compress,
             seeds=tuple(c.seed for c in group),
             # Slots before the region were compacted; the span's own keys are consecutive.
             positions=tuple(c.region.start + c.dropped for c in group),
-            values=self._all_heads(torch.stack(values, dim=1)),
+            values=None if values is None else self._all_heads(values),
             rope=self.kv_rope,
         )
-        kept = build(config).select(window, budget).indices  # [B, L, Hkv, m]
+        kept = method.select(window, budget).indices  # [B, L, Hkv, m]
         if self.kv_tp_size > 1:  # this rank's KV heads, in vLLM's contiguous split
             local = kept.shape[2] // self.kv_tp_size
             kept = kept[:, :, self.kv_tp_rank * local : (self.kv_tp_rank + 1) * local]

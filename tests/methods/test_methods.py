@@ -78,6 +78,29 @@ def test_selection_invariants(name: str, case: tuple[Window, int], tmp_path_fact
         assert (counts <= c).all() and (counts >= 0).all()
 
 
+@pytest.mark.parametrize("name", available())
+def test_reads_values_says_whether_select_needs_the_values(name: str, tmp_path: Path) -> None:
+    """The vLLM runner leaves the values out of a window when the method says it reads
+    none: then it must select the same keys without them, else it must refuse to select."""
+    window = _values_window()
+    params = {"calibration": _calibration_for(tmp_path, window)} if calibrated(name) else {}
+    method = build(CompressionConfig(method=name, params=params))
+    without = dataclasses.replace(window, values=None)
+    if method.reads_values:
+        with pytest.raises(ValueError, match=f"method {name!r} needs Window.values"):
+            method.select(without, 6)
+    else:
+        torch.testing.assert_close(method.select(without, 6).indices, method.select(window, 6).indices)
+
+
+def _values_window() -> Window:
+    gen = torch.Generator().manual_seed(7)
+    b, layers, hkv, group, n, d = 2, 2, 2, 2, 24, 8
+    q, k, v = (torch.randn(b, layers, h, n, d, generator=gen) for h in (hkv * group, hkv, hkv))
+    rope = Rope.from_inv_freq(1.0 / 10000 ** (torch.arange(0, d, 2) / d), 200)
+    return Window(q, k, 16, (1, 2), (0, 30), v, rope)
+
+
 def test_pyramid_budgets_decrease_and_average_to_budget() -> None:
     per_layer = pyramid_budgets(8, 26, 20.0, 128)
     assert per_layer.sum() == 8 * 26

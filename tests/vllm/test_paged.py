@@ -132,6 +132,25 @@ def test_read_shared_slots_of_any_shape(isa: str, dtype: torch.dtype) -> None:
     torch.testing.assert_close(v, values[slots].movedim(-2, 0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("isa", "dtype"), LAYOUTS[:2])
+def test_read_spans_stacks_every_layers_span_per_request(isa: str, dtype: torch.dtype) -> None:
+    """A round's window: request ``b``'s span of layer ``l`` at ``[b, l]``, heads before slots."""
+    layers = [_filled(isa, dtype, blocks=4, head_dim=32, seed=s) for s in (4, 5, 6)]
+    slots = torch.tensor([[64, 65, 3, 4, 5], [100, 101, 102, 40, 41]])  # [B=2, span=5]
+
+    k, v = paged.read_spans([kv for kv, _, _ in layers], slots)
+
+    assert k.shape == v.shape == (2, 3, HEADS, 5, 32)
+    for layer, (_, keys, values) in enumerate(layers):
+        for b in range(2):
+            torch.testing.assert_close(k[b, layer], keys[slots[b]].transpose(0, 1), rtol=0, atol=0)
+            torch.testing.assert_close(v[b, layer], values[slots[b]].transpose(0, 1), rtol=0, atol=0)
+    # Keys alone: the same keys, no values.
+    keys_only, none = paged.read_spans([kv for kv, _, _ in layers], slots, values=False)
+    assert none is None
+    torch.testing.assert_close(keys_only, k, rtol=0, atol=0)
+
+
 def test_slots_of_maps_through_block_table() -> None:
     """Hand-computed: position ``p`` lives in block ``table[p // bs]`` at offset ``p % bs``."""
     table = torch.tensor([7, 2, 5])  # non-monotone, as vLLM's allocator hands them out
