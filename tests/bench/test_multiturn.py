@@ -195,5 +195,8 @@ def test_multi_turn_against_a_real_server(tmp_path: Path) -> None:
     # Vanilla caches the blocks a request generated: turn 2 finds turn 1's 16 + 95
     # computed tokens cached, 3 full blocks of 32 (96 tokens), in each conversation.
     assert rows["vanilla"]["prefix_hits"] >= 2 * 96
+    # A compressing request caches only its prompt blocks (its rounds rewrite the
+    # generated ones), and turn 1's 16-token prompt fills no block: kara hits less.
+    assert rows["kara"]["prefix_hits"] < rows["vanilla"]["prefix_hits"]
     assert rows["vanilla"]["rounds"] == 0 and rows["kara"]["rounds"] > 0
     assert "TTFT p50 turn 1 / later ms" in (out / "summary.md").read_text()
