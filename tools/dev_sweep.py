@@ -107,6 +107,27 @@ VARIANTS: list[tuple[str, dict, int, int]] = [
     ("kara-vpool", {"pool_kernel": 9, "rho": 0.75, "max_gap": 4}, 128, 32),
     ("kara-vpool", {"pool_kernel": 7, "rho": 1.0}, 128, 32),
     ("noncausal-attn", {}, 128, 32),
+    # Issue 23's other methods with knobs, each default first (session 13, non-modal criterion).
+    # knorm, keydiff, tova, noncausal-attn and qfilter have none.
+    ("lagkv", {}, 128, 32),
+    ("lagkv", {"lag_size": 16}, 128, 32),
+    ("lagkv", {"lag_size": 64}, 128, 32),
+    ("compactor", {}, 128, 32),
+    ("compactor", {"blending": 0.0}, 128, 32),
+    ("compactor", {"blending": 0.3}, 128, 32),
+    ("compactor", {"sketch_dimension": 96}, 128, 32),
+    ("expected-attention", {}, 128, 32),
+    ("expected-attention", {"n_future_positions": 128}, 128, 32),
+    ("expected-attention", {"n_future_positions": 2048}, 128, 32),
+    ("expected-attention", {"use_covariance": False}, 128, 32),
+    # The value-aware and two-way Karas at kara-vpool's tuned knobs, where they apply.
+    ("kara-vnorm", {}, 128, 32),
+    ("kara-vnorm", {"rho": 0.75, "max_gap": 4}, 128, 32),
+    ("kara-pool", {}, 128, 32),
+    ("kara-pool", {"pool_kernel": 7, "rho": 0.75, "max_gap": 4}, 128, 32),
+    ("kara-twoway", {}, 128, 32),
+    ("kara-twoway", {"rho": 0.75, "max_gap": 4}, 128, 32),
+    ("kara", {"rho": 0.75, "max_gap": 4}, 128, 32),
 ]
 
 

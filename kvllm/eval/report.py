@@ -285,7 +285,9 @@ def _nonmodal_headline(
     for m in methods:
         cells = [at.get((m, p)) for p in points]
         texts = [
-            "-" if c is None else _ci(c["nonmodal"], c["nonmodal_ci"]) + ("" if shared else f" ({_floor(c)})")
+            "-"
+            if c is None or c["nonmodal"] is None
+            else _ci(c["nonmodal"], c["nonmodal_ci"]) + ("" if shared else f" ({_floor(c)})")
             for c in cells
         ]
         out.append(f"| {m} | " + " | ".join(texts) + " |")

@@ -77,6 +77,9 @@ def test_non_modal_tables_grade_the_reads_off_the_floor_and_pair_them() -> None:
     free = [_cell(FULL, 1.0, [10, 10], 1.0, "free", modal=4), _cell("kara", 0.2, [8, 8], 0.5, "free", modal=4)]
     free[1] = dataclasses.replace(free[1], floor=0.3)
     assert "| kara | 0.667 [0.667-0.667] (0.30) |" in headline_markdown(lookup_rows(free))
+    # A cell of that table recorded before the floor was counted is a dash, as a missing one.
+    free.append(_cell("kara", 0.1, [7, 7], 0.4, "free"))
+    assert "| kara | - | 0.667 [0.667-0.667] (0.30) |" in headline_markdown(lookup_rows(free))
     # Cells recorded before the floor was counted still report, with dashes.
     old = lookup_rows([_cell(FULL, 1.0, [10, 10], 1.0), _cell("kara", 0.2, [8, 8], 0.5)])
     assert "non-modal" not in headline_markdown(old)
