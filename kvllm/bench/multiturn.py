@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvllm.bench.serving import PERCENTILES, ServeBench
 from kvllm.bench.soak import sse_lines
 
 
@@ -197,16 +196,16 @@ async def run_conversations(
     return records, duration
 
 
-def _ms(values: Sequence[float]) -> dict[str, float]:
+def _ms(values: Sequence[float], percentiles: Sequence[int]) -> dict[str, float]:
     import numpy as np
 
     # As in vLLM's client: the mean and the percentiles of no values are 0.
     return {"mean": float(np.mean(values or 0)) * 1000} | {
-        f"p{p}": float(np.percentile(values or 0, p)) * 1000 for p in PERCENTILES
+        f"p{p}": float(np.percentile(values or 0, p)) * 1000 for p in percentiles
     }
 
 
-def point_result(records: Sequence[TurnRecord], duration: float) -> dict[str, Any]:
+def point_result(records: Sequence[TurnRecord], duration: float, percentiles: Sequence[int]) -> dict[str, Any]:
     """One load point's figures under vLLM's client's result keys (what
     :func:`kvllm.bench.serving.row_of` reads), plus its ``TURN_KEYS``; a completed
     request is a turn."""
@@ -225,26 +224,30 @@ def point_result(records: Sequence[TurnRecord], duration: float) -> dict[str, An
         "itl": [x for r in records for x in r.itl],
     }
     for figure, values in figures.items():
-        for stat, value in _ms(values).items():
+        for stat, value in _ms(values, percentiles).items():
             result[f"{stat}_{figure}_ms"] = value
     first = [r.ttft for r in records if r.turn == 1]
     later = [r.ttft for r in records if r.turn > 1]
-    result["p50_ttft_turn1_ms"] = _ms(first)["p50"] if first else None
-    result["p50_ttft_later_ms"] = _ms(later)["p50"] if later else None
+    result["p50_ttft_turn1_ms"] = _ms(first, (50,))["p50"] if first else None
+    result["p50_ttft_later_ms"] = _ms(later, (50,))["p50"] if later else None
     return result
 
 
 def run_point(
-    bench: ServeBench, base: str, concurrency: int, ids: Sequence[int], save: Path | None = None
+    base: str,
+    model: str,
+    prefix: Sequence[int],
+    messages: Sequence[Sequence[Sequence[int]]],
+    output_len: int,
+    concurrency: int,
+    percentiles: Sequence[int],
+    save: Path | None = None,
 ) -> dict[str, Any]:
-    """One load point of ``bench``'s conversations against the server at ``base``; with
-    ``save``, also writes every turn's record there (``turns.json``, as vLLM's client
-    leaves its ``client.json``)."""
-    prefix, messages = draw(bench.seed, bench.prompts, bench.turns, bench.prefix_len, bench.input_len, ids)
-    records, duration = asyncio.run(
-        run_conversations(base, bench.model, prefix, messages, bench.output_len, concurrency)
-    )
-    result = point_result(records, duration)
+    """One load point of :func:`draw`'s conversations against the server at ``base``;
+    with ``save``, also writes every turn's record there (``turns.json``, as vLLM's
+    client leaves its ``client.json``)."""
+    records, duration = asyncio.run(run_conversations(base, model, prefix, messages, output_len, concurrency))
+    result = point_result(records, duration, percentiles)
     if save is not None:
         save.mkdir(parents=True, exist_ok=True)
         turns = sorted((asdict(r) for r in records), key=lambda r: (r["conversation"], r["turn"]))

@@ -240,7 +240,13 @@ def run_system(bench: ServeBench, system: str, repeat: int, on_row: Callable[[di
         for kind, value in bench.points:
             before = counters(base)
             if bench.turns > 1:  # only concurrency points (__post_init__)
-                result = multiturn.run_point(bench, base, int(value), ids, work / f"{kind}-{value:g}")
+                prefix, messages = multiturn.draw(
+                    bench.seed, bench.prompts, bench.turns, bench.prefix_len, bench.input_len, ids
+                )
+                result = multiturn.run_point(
+                    base, bench.model, prefix, messages, bench.output_len, int(value), PERCENTILES,
+                    work / f"{kind}-{value:g}",
+                )  # fmt: skip
             else:
                 result = client(client_args(bench, base, kind, value, work / f"{kind}-{value:g}"))
             after = counters(base)

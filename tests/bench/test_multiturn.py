@@ -22,7 +22,7 @@ from kvllm.bench.multiturn import (
     run_conversations,
     tokenizer_ids,
 )
-from kvllm.bench.serving import ServeBench, row_of
+from kvllm.bench.serving import PERCENTILES, ServeBench, row_of
 from kvllm.bench.serving_report import markdown_table, summarize
 from kvllm.cli import app
 from kvllm.testing import save_tiny_model, train_tokenizer
@@ -112,7 +112,7 @@ def test_ttft_is_taken_over_all_turns_and_by_turn() -> None:
         for k, pair in ttfts.items()
         for c, t in enumerate(pair)
     ]
-    result = point_result(records, duration=2.0)
+    result = point_result(records, duration=2.0, percentiles=PERCENTILES)
     assert result["completed"] == 6 and result["output_throughput"] == pytest.approx(33.0)
     assert result["total_token_throughput"] == pytest.approx((66 + 1200) / 2)
     assert result["request_throughput"] == pytest.approx(3.0)
@@ -127,7 +127,7 @@ def test_ttft_is_taken_over_all_turns_and_by_turn() -> None:
     row = row_of("kara", 0, "concurrency", 2.0, result, {"prefix_hits": 96.04, "rounds": 3.0, "preemptions": 0.0})
     assert row["p50_ttft_later_ms"] == pytest.approx(800) and row["completed"] == 6 and row["prefix_hits"] == 96.0
     # One turn per conversation: no later turns to take a median of.
-    assert point_result(records[:2], 1.0)["p50_ttft_later_ms"] is None
+    assert point_result(records[:2], 1.0, PERCENTILES)["p50_ttft_later_ms"] is None
 
 
 def test_the_report_compares_the_later_turns_ttft_with_vanillas() -> None:
