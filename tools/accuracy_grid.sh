@@ -2,11 +2,15 @@
 # The accuracy grid of docs/accuracy.md (issue 14), on the held-out test seeds 0-63.
 # Resumable: rerun to continue where it stopped. The baselines' knobs are the ones
 # tools/dev_sweep.py chose on development seeds (docs/accuracy.md, "Tuning record").
-#   tools/accuracy_grid.sh [OUT] [STAGE...]   stages: tf frontier free recall (default: all)
+#   tools/accuracy_grid.sh [OUT] [STAGE...]   stages: tf frontier free recall methods23 (default: all)
+# methods23 writes to M23 (docs/accuracy/methods23): issue 23's methods, teacher-forced at
+# W=128, b=32, at their reference defaults (test/) and at the knobs the development sweep
+# chose (tuned/). Only trace: the shipped model was never trained on reason (docs/accuracy.md).
 set -euo pipefail
 OUT=${1:-docs/accuracy/lookup}
 shift || true
-STAGES=${*:-tf frontier free recall}
+STAGES=${*:-tf frontier free recall methods23}
+M23=${M23:-docs/accuracy/methods23}
 KV=${KV:-.venv/bin/kvllm}
 METHODS=adakv,chunkkv,h2o,kara,kara-causal,kara-far,kara-late,kara-topk,pyramidkv,random,rkv,snapkv,streamingllm
 ALL=0.05,0.1,0.2,0.3,0.5,1.0
@@ -45,6 +49,21 @@ for stage in $STAGES; do
       m=kara,kara-far,kara-late,snapkv,chunkkv,h2o,pyramidkv
       # shellcheck disable=SC2046
       "${E[@]}" --family gen-needle --batch-size 64 --method $m --retention 0.2,1.0 $(tuned $m 128 32) ;;
+    methods23)
+      m=knorm,keydiff,tova,lagkv,kara-twoway,noncausal-attn,compactor,expected-attention,kara-vnorm,kara-pool
+      m+=,kara-vpool,qfilter,kara
+      cal=$M23/test/q_filters.safetensors
+      [[ -f $cal ]] || "$KV" calibrate --out "$cal"
+      T=("$KV" eval --n 64 --steps 48 --constants 8 --family trace --batch-size 32 --teacher-forced
+        --retention 0.05,0.1,0.2,0.3,0.5)
+      "${T[@]}" --out "$M23/test" --method "$m" --calibration "$cal"
+      "${T[@]}" --out "$M23/test" --method bound,oracle
+      # tools/dev_sweep.py's choices (docs/accuracy.md, "Tuning record"), on non-modal fidelity.
+      "${T[@]}" --out "$M23/tuned" --method kara-vpool,lagkv,compactor,kara-vnorm,kara-pool \
+        --param kara-vpool:pool_kernel=7 --param kara-vpool:rho=0.75 --param kara-vpool:max_gap=4 \
+        --param lagkv:lag_size=64 --param compactor:blending=0.0 \
+        --param kara-vnorm:rho=0.75 --param kara-vnorm:max_gap=4 \
+        --param kara-pool:pool_kernel=7 --param kara-pool:rho=0.75 --param kara-pool:max_gap=4 ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
