@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,18 @@ class SelectionTiming:
     max_ms: float
     repeats: int
     reads_values: bool = False  # the method's Method.reads_values
+
+
+def _timed(call: Callable[[], object], repeats: int) -> list[float]:
+    """Milliseconds of ``repeats`` calls of ``call``, after one untimed call that warms up
+    allocators and kernels."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def time_selection(
@@ -55,12 +68,7 @@ def time_selection(
         rope=Rope.from_inv_freq(1.0 / 1e6 ** (torch.arange(0, head_dim, 2) / head_dim), span),
     )
     method = build(config)
-    method.select(window, config.budget)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        method.select(window, config.budget)
-        times.append((time.perf_counter() - start) * 1e3)
+    times = _timed(lambda: method.select(window, config.budget), repeats)
     return SelectionTiming(
         config.method, statistics.median(times), min(times), max(times), repeats, method.reads_values
     )
@@ -98,15 +106,10 @@ def time_window_read(
     caches = [torch.randn(blocks, kv_heads, block_size, 2 * head_dim, generator=gen) for _ in range(layers)]
     tables = torch.randperm(blocks, generator=gen)[: batch * per_request].view(batch, per_request)
     slots = torch.stack([paged.slots_of(t, torch.arange(span), block_size) for t in tables])
-    timed = {}
-    for values in (True, False):
-        paged.read_spans(caches, slots, values=values)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            paged.read_spans(caches, slots, values=values)
-            times.append((time.perf_counter() - start) * 1e3)
-        timed[values] = statistics.median(times)
+    timed = {
+        v: statistics.median(_timed(lambda v=v: paged.read_spans(caches, slots, values=v), repeats))
+        for v in (True, False)
+    }
     return ReadTiming(timed[True], timed[False], repeats)
 
 

@@ -131,7 +131,7 @@ def _tally(graded: Sequence[Read], completion: str, window: int) -> LookupTally:
     t.malformed_lines = malformed_lines(completion)
     values = [int(completion[d : d + 2]) for _, _, d in results(completion)]
     t.results = len(values)
-    t.modal_results = values.count(modal_value(values)) if values else 0
+    t.modal_results = values.count(modal_value(values))  # 0 for no results (mode None)
     return t
 
 

@@ -266,18 +266,23 @@ def headline_markdown(rows: Sequence[dict]) -> str:
             out.append(f"| {m} | " + " | ".join(_diff(at.get((m, p), {}).get("vs_reference")) for p in points) + " |")
         out.append("")
         if any(r["nonmodal"] is not None for r in group):
-            out += _nonmodal_headline(title, reference, methods, points, at, group)
+            out += _nonmodal_headline(title, reference, methods, points, at, group, header, rule)
     return "\n".join(out)
 
 
 def _nonmodal_headline(
-    title: str, reference: str, methods: Sequence[str], points: Sequence[float], at: dict, group: Sequence[dict]
+    title: str,
+    reference: str,
+    methods: Sequence[str],
+    points: Sequence[float],
+    at: dict,
+    group: Sequence[dict],
+    header: str,
+    rule: str,
 ) -> list[str]:
     """The headline tables again on the reads off each chain's modal value, with the floor:
     once when every cell shares it (teacher-forced cells grade the forced text's), else
     beside each cell (free cells grade each method's own chains)."""
-    header = "| method | " + " | ".join(f"r={p:g}" for p in points) + " |"
-    rule = "| --- |" + " ---: |" * len(points)
     floors = {r["floor"] for r in group}
     shared = len(floors) == 1
     heading = f"floor {_floor(group[0])} in every cell" if shared else "floor"

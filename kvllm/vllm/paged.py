@@ -42,7 +42,13 @@ def read(kv: Tensor, slots: Tensor) -> tuple[Tensor, Tensor]:
         b, o, h = slots // block_size, slots % block_size, heads.unsqueeze(1)
         return k_t[b, h, :, o], v[b, h, o, :]  # [Hkv, n, D]
     b, o = slots // block_size, slots % block_size
-    return k_t[b, :, :, o].movedim(-2, 0), v[b, :, o, :].movedim(-2, 0)
+    return read_keys(kv, slots), v[b, :, o, :].movedim(-2, 0)
+
+
+def read_keys(kv: Tensor, slots: Tensor) -> Tensor:
+    """K alone at ``slots`` of any shape ``[...]``, shared by all heads, as ``[Hkv, ..., D]``."""
+    b, o = slots // kv.shape[2], slots % kv.shape[2]
+    return _views(kv)[0][b, :, :, o].movedim(-2, 0)
 
 
 def read_spans(caches: Sequence[Tensor], slots: Tensor, values: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -55,15 +61,16 @@ def read_spans(caches: Sequence[Tensor], slots: Tensor, values: bool = True) -> 
     "What a window carries").
     """
     b, span = slots.shape
+    # Flat slots: [B, span] slots with B == Hkv would read as per-head rows in `read`.
     flat = slots.flatten()
     keys, vals = [], []
     for kv in caches:
-        k_t, v = _views(kv)
-        blocks, offsets = flat // kv.shape[2], flat % kv.shape[2]
-        # Both gathers give [B * span, Hkv, D]; the window wants [B, Hkv, span, D].
-        keys.append(k_t[blocks, :, :, offsets].unflatten(0, (b, span)).transpose(1, 2))
         if values:
-            vals.append(v[blocks, :, offsets, :].unflatten(0, (b, span)).transpose(1, 2))
+            k, v = read(kv, flat)
+            vals.append(v.unflatten(1, (b, span)).transpose(0, 1))  # [Hkv, B*span, D] -> [B, Hkv, span, D]
+        else:
+            k = read_keys(kv, flat)
+        keys.append(k.unflatten(1, (b, span)).transpose(0, 1))
     return torch.stack(keys, dim=1), torch.stack(vals, dim=1) if values else None
 
 
