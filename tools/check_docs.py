@@ -40,9 +40,11 @@ NUMBER = r"(\d+(?:\.\d+)?)"
 LOOKUP = "docs/accuracy/lookup/results.jsonl"
 HEADLINE_WINDOW = (128, 32)
 NONMODAL = "vs_reference_nonmodal"  # lookup_rows' paired difference on the non-modal reads
-# The throughput headline's mean over C takes C=16-64 from the headline run and C=128
-# from its own later run (docs/throughput.md, "C=128, 3 repeats").
+# kara-projected's mean over C takes C=16-64 from the headline run and C=128 from its own
+# later run (docs/throughput.md, "C=128, 3 repeats"); kara's, all four C of one later run
+# ("C = 16-128 in one run").
 HEADLINE_RUNS = (("throughput", (16, 32, 64)), ("throughput/c128", (128,)))
+KARA_RUN = "throughput/all4"
 
 
 @dataclass(frozen=True)
@@ -241,10 +243,14 @@ ACCURACY = [
 HEADLINE = "docs/throughput/results.csv, docs/throughput/c128/results.jsonl"
 THROUGHPUT = [
     Claim(
-        "kara (vLLM's admission rule) over vanilla-default, mean over C=16-128",
-        "serves {}x the output tokens/s of vLLM at its defaults, averaged over 16, 32, 64 and 128 requests in flight",
-        HEADLINE,
-        lambda: (statistics.fmean(c["ratio"] for c in headline_cells("kara")),),
+        "kara (vLLM's admission rule) over vanilla-default, mean over C=16-128, and at C=128",
+        "serves {}x the output tokens/s of vLLM at its defaults, averaged over 16, 32, 64 and 128 requests in flight "
+        "(the 2.0x target is missed; {}x at 128",
+        f"docs/{KARA_RUN}/results.jsonl",
+        lambda: (
+            statistics.fmean(cell(KARA_RUN, "kara", c)["ratio"] for c in (16, 32, 64, 128)),
+            cell(KARA_RUN, "kara", 128)["ratio"],
+        ),
     ),
     Claim(
         "kara-projected over vanilla-default, mean over C=16-128; vanilla's preemptions per cell",
