@@ -27,7 +27,19 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-from kvllm.eval.tasks import END_THINK, FAMILIES, NAMES, THINK, TRACE_FAMILIES, TRAIN_SEEDS, Difficulty, make_task
+from kvllm.eval.tasks import (
+    END_THINK,
+    FAMILIES,
+    NAMES,
+    OPS,
+    SHIFT,
+    THINK,
+    TRACE_FAMILIES,
+    TRAIN_SEEDS,
+    Difficulty,
+    apply,
+    make_task,
+)
 
 # The shipped model's shape; tools/probe_recall.py trains the same one.
 SHAPE = {"hidden": 192, "layers": 4, "heads": 6, "kv_heads": 2}
@@ -35,10 +47,14 @@ SHAPE = {"hidden": 192, "layers": 4, "heads": 6, "kv_heads": 2}
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK
 
 
-def build_tokenizer(vocab_size: int, seed: int, families: tuple[str, ...] = TRACE_FAMILIES) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    vocab_size: int, seed: int, families: tuple[str, ...] = TRACE_FAMILIES, op: str = "add"
+) -> PreTrainedTokenizerFast:
     """Byte-level BPE over generated task text of ``families``; every digit is a token of its own."""
     rng = random.Random(seed)
-    corpus = [make_task(rng.choice(families), rng.choice(TRAIN_SEEDS), _difficulty(rng, 1.0)).text for _ in range(1500)]
+    corpus = [
+        make_task(rng.choice(families), rng.choice(TRAIN_SEEDS), _difficulty(rng, 1.0, op=op)).text for _ in range(1500)
+    ]
     tok = Tokenizer(models.BPE())
     # Each digit is a token of its own, the same for a value's first and second digit: the
     # name right before a value (``bo41``) is then the token right before its first digit.
@@ -93,7 +109,9 @@ def name_token_ids(tok: PreTrainedTokenizerFast) -> torch.Tensor:
     return torch.tensor(tok.convert_tokens_to_ids(["Ġ" + name for name in NAMES]))
 
 
-def _difficulty(rng: random.Random, level: float, steps: int | None = None, top_steps: int = 48) -> Difficulty:
+def _difficulty(
+    rng: random.Random, level: float, steps: int | None = None, top_steps: int = 48, op: str = "add"
+) -> Difficulty:
     """Mixed lengths up to a curriculum ``level`` in [0, 1].
 
     Level 0 is 2-3 constants and 1-3 steps: with few distractors the copy circuits form
@@ -105,7 +123,7 @@ def _difficulty(rng: random.Random, level: float, steps: int | None = None, top_
     steps = steps if steps is not None else rng.randint(1, top)
     constants = rng.randint(2, top_constants)
     # Programs of more than 74 steps (reason's 84) leave fewer names for constants.
-    return Difficulty(constants=constants, steps=min(steps, len(NAMES) - constants), depth=rng.random())
+    return Difficulty(constants=constants, steps=min(steps, len(NAMES) - constants), depth=rng.random(), op=op)
 
 
 def _recall(rng: random.Random, pairs: int, queries: int) -> tuple[str, str]:
@@ -128,20 +146,21 @@ def _recall(rng: random.Random, pairs: int, queries: int) -> tuple[str, str]:
     return text[:split], text[split:]
 
 
-def _drill(rng: random.Random, lines: int) -> tuple[str, str]:
-    """A training-only arithmetic drill: chain-of-thought lines of random values.
+def _drill(rng: random.Random, lines: int, op: str = "add") -> tuple[str, str]:
+    """A training-only drill of the statements' operator: chain-of-thought lines of random values.
 
     Each line has the trace's exact shape (``ce = bo + ku = bo41 + ku13 = ce54``), so the
-    circuits that add or subtract what sits at fixed offsets in a line are the ones the
-    tasks use. :func:`_batch` scores only each line's result: names and operand values
-    are random here. In tasks a line's arithmetic is one target in 18 tokens; here it is
-    the whole point, which the tasks alone did not teach in time (session 4).
+    circuits that combine what sits at fixed offsets in a line are the ones the tasks
+    use. :func:`_batch` scores only each line's result: names and operand values are
+    random here. In tasks a line's arithmetic is one target in 18 tokens; here it is the
+    whole point, which the tasks alone did not teach in time (session 4).
     """
     out = []
     for _ in range(lines):
         name, x, y = rng.sample(NAMES, 3)
-        vx, vy, op = rng.randrange(100), rng.randrange(100), rng.choice("+-")
-        result = (vx + vy) % 100 if op == "+" else (vx - vy) % 100
+        vx, vy, symbol = rng.randrange(100), rng.randrange(100), rng.choice("+-")
+        op = SHIFT if op == "shift" else symbol
+        result = apply(vx, op, vy)
         out.append(f"{name} = {x} {op} {y} = {x}{vx:02d} {op} {y}{vy:02d} = {name}{result:02d}")
     text = "\n ".join(["drill: evaluate every line.", THINK, *out])
     split = text.index(THINK) + len(THINK)
@@ -160,6 +179,7 @@ def _batch(
     digit_ids: torch.Tensor,
     pairs: int | None = None,
     families: tuple[str, ...] = TRACE_FAMILIES,
+    op: str = "add",
 ):
     """Examples up to ``token_budget`` padded tokens; labels only on the target.
 
@@ -173,7 +193,7 @@ def _batch(
     # One program length per batch keeps padding (wasted compute) small.
     steps = _difficulty(rng, level, top_steps=top_steps).steps
     while True:
-        d = _difficulty(rng, level, steps, top_steps)
+        d = _difficulty(rng, level, steps, top_steps, op)
         draw = rng.random()
         kind = "recall" if pairs is not None or draw < recall else "drill" if draw < recall + drill else "task"
         n = min(len(NAMES), d.constants + d.steps)
@@ -183,7 +203,7 @@ def _batch(
         elif kind == "recall":
             text, answer = _recall(rng, n, n)
         elif kind == "drill":
-            text, answer = _drill(rng, n)
+            text, answer = _drill(rng, n, op)
         else:
             task = make_task(rng.choice(families), rng.choice(TRAIN_SEEDS), d)
             text, answer = task.prompt, task.target
@@ -301,6 +321,12 @@ def main() -> None:
         default=",".join(TRACE_FAMILIES),
         help=f"task families to train on, comma-separated, of {', '.join(FAMILIES)} (the shipped model: the default)",
     )
+    p.add_argument(
+        "--op",
+        choices=OPS,
+        default="add",
+        help="the statements' operator (shift: digits copied and stepped, no table; kvllm.eval.tasks.OPS)",
+    )
     p.add_argument("--top-steps", type=int, default=48, help="longest program of the curriculum")
     p.add_argument("--level-up", type=float, default=0.85, help="digit accuracy that raises the task level")
     p.add_argument("--lookup-gate", type=float, default=0.9, help="lookup accuracy that adds a warm-up record")
@@ -332,7 +358,7 @@ def main() -> None:
         p.error(f"--families {args.families!r} is invalid: must name some of {', '.join(FAMILIES)}")
 
     tok = (
-        build_tokenizer(args.vocab, args.seed, families)
+        build_tokenizer(args.vocab, args.seed, families, args.op)
         if args.init_from is None
         else PreTrainedTokenizerFast.from_pretrained(args.init_from)
     )
@@ -416,6 +442,7 @@ def main() -> None:
             digit_ids,
             pairs=pairs if warming else None,
             families=families,
+            op=args.op,
         )
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         loss = out.loss

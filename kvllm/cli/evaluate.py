@@ -48,6 +48,12 @@ def evaluate(
         int | None, typer.Option(help="Constants per program; default 12 (reason: 6).", show_default=False)
     ] = None,
     depth: Annotated[float, typer.Option(help="prompt-needle depth in [0, 1].")] = 0.5,
+    op: Annotated[
+        str,
+        typer.Option(
+            help="The statements' operator: add (+/- mod 100) or shift, for a model trained on it (its card)."
+        ),
+    ] = "add",
     math_jsonl: Annotated[list[Path] | None, typer.Option(help="MATH/AIME jsonl files instead of tasks.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Math problems: generation budget.")] = 4096,
     samples: Annotated[int, typer.Option(help="Samples per problem.")] = 1,
@@ -108,7 +114,7 @@ def evaluate(
         if f not in FAMILIES:
             raise typer.BadParameter(f"--family {f!r} is invalid: must be one of {', '.join(FAMILIES)}")
     try:
-        difficulties = {f: family_difficulty(f, constants, steps, depth) for f in families}
+        difficulties = {f: family_difficulty(f, constants, steps, depth, op) for f in families}
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     tok, lm = load_model(model)
@@ -136,7 +142,7 @@ def evaluate(
     console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")
 
 
-def family_difficulty(family: str, constants: int | None, steps: int | None, depth: float) -> Any:
+def family_difficulty(family: str, constants: int | None, steps: int | None, depth: float, op: str = "add") -> Any:
     """The flags' difficulty for ``family``; a knob not given is the family's default."""
     from kvllm.eval.tasks import Difficulty, default_difficulty
 
@@ -145,6 +151,7 @@ def family_difficulty(family: str, constants: int | None, steps: int | None, dep
         constants=default.constants if constants is None else constants,
         steps=default.steps if steps is None else steps,
         depth=depth,
+        op=op,
     )
 
 

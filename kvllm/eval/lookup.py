@@ -38,15 +38,15 @@ from dataclasses import dataclass, field
 
 from kvllm.eval.tasks import END_THINK, HEDGES, extract_answer
 
-# `ce = bo + ku = bo41 + ku13 = ce54`: the statement, its two reads, its result.
-STATEMENT = re.compile(r"^ ?(\w+) = (\w+) ([+-]) (\w+) = ([a-z]+)(\d{2}) ([+-]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
+# `ce = bo + ku = bo41 + ku13 = ce54` (or a shift, `:`): the statement, its two reads, its result.
+STATEMENT = re.compile(r"^ ?(\w+) = (\w+) ([-+:]) (\w+) = ([a-z]+)(\d{2}) ([-+:]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
 # `check ce = bo + ku = bo41 + ku13 = ce54`: a statement re-derived, with the same groups.
 CHECK = re.compile(r"^ ?check " + STATEMENT.pattern.removeprefix("^ ?"))
 RESTATE = re.compile(r"^ ?so [a-z]+ is \d{2}\.$")
 HEDGE = re.compile("^ ?(" + "|".join(re.escape(h) for h in HEDGES) + ")$")
 _HEADER = re.compile(r"report (\w+)\.")
 _CONSTANT = re.compile(r"^ ?([a-z]+)(\d{2})$")
-_KEY = re.compile(r"^ ?key = \d{2} [+-] \d{2} = key(\d{2})$")
+_KEY = re.compile(r"^ ?key = \d{2} [-+:] \d{2} = key(\d{2})$")
 #: Distance buckets, as (label, low, high) in multiples of W: [low * W, high * W).
 BUCKETS: tuple[tuple[str, float, float], ...] = (
     ("<W", 0, 1),

@@ -25,6 +25,11 @@ sets are disjoint by seed (:data:`TEST_SEEDS` vs :data:`TRAIN_SEEDS`). Families:
     + ku = bo41 + ku13 = ce54``); chains run for about 2,000 tokens; the answer recalls
     the first step's result, written near the chain's start.
 
+Every family takes the statements' operator from :attr:`Difficulty.op`: ``add`` (above,
+the default) or ``shift`` (``ce = bo : ku = bo41 : ku13 = ce54``, each result digit one
+more than a digit copied from an operand), the same programs with a result that a model
+too small to add can compute.
+
 The format is regular on purpose, so that a model of a few million parameters trained
 for minutes on a CPU can learn it (``docs/training-attempts.md``): variables are named
 in the order of :data:`NAMES` from a random start (the next statement's name follows
@@ -41,12 +46,20 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FAMILIES: tuple[str, ...] = ("trace", "gen-needle", "prompt-needle", "reason")
 # The trace-format families, which the shipped model was trained on: the commands'
 # defaults. ``reason`` is asked for by name: its chains are three times as long.
 TRACE_FAMILIES: tuple[str, ...] = ("trace", "gen-needle", "prompt-needle")
+#: Statement operators. ``add``: ``+`` or ``-`` mod 100, the shipped model's tasks.
+#: ``shift`` (``ce = bo : ku = bo41 : ku13 = ce54``): one more than the first operand's tens
+#: digit, and one more than the second's units digit (mod 10), for a model that cannot learn
+#: the arithmetic (docs/training-attempts.md, "Session 14"). Each result digit is one digit
+#: copied from a fixed place and stepped, not a 10 x 10 table; the step keeps the values as
+#: varied as ``add``'s (a plain copy of the two digits lets a few values take over a chain).
+OPS: tuple[str, ...] = ("add", "shift")
+SHIFT = ":"
 TEST_SEEDS = range(0, 1_000_000)
 TRAIN_SEEDS = range(1_000_000, 2**31)
 THINK, END_THINK = "<think>", "</think>"
@@ -66,11 +79,16 @@ class Difficulty:
         Assignments the chain of thought evaluates (18 tokens each with the shipped tokenizer).
     depth
         ``prompt-needle``: where the needle sits among the prompt's lines, in [0, 1].
+    op
+        The statements' operator, one of :data:`OPS`. It is left out of the repr, which
+        seeds a task's draws, so a ``shift`` task is its ``add`` twin's program with the
+        other operator, and every ``add`` task is what it was before the knob existed.
     """
 
     constants: int = 12
     steps: int = 40
     depth: float = 0.5
+    op: str = field(default="add", repr=False)
 
     def __post_init__(self) -> None:
         if self.constants < 2:
@@ -79,6 +97,8 @@ class Difficulty:
             raise ValueError(f"Difficulty.steps={self.steps} is invalid: must be in [1, {len(NAMES) - self.constants}]")
         if not 0.0 <= self.depth <= 1.0:
             raise ValueError(f"Difficulty.depth={self.depth} is invalid: must be in [0, 1]")
+        if self.op not in OPS:
+            raise ValueError(f"Difficulty.op={self.op!r} is invalid: must be one of {', '.join(OPS)}")
 
 
 @dataclass(frozen=True)
@@ -106,16 +126,30 @@ def _program(rng: random.Random, d: Difficulty) -> tuple[list[str], list[str], s
         prompt.append(f"{name}{values[name]:02d}")
     for name in names[d.constants :]:
         defined = list(values)
-        op = rng.choice("+-")
+        op = _operator(rng, d.op)
         x, y = rng.choice(defined), rng.choice(defined)
         prompt.append(f"{name} = {x} {op} {y}")
         cot.append(_evaluate(values, name, x, op, y))
     return prompt, cot, names[-1], values
 
 
+def _operator(rng: random.Random, op: str) -> str:
+    """A statement's operator symbol; ``+`` or ``-`` is drawn either way, so that both ops
+    make the same program from the same seed."""
+    symbol = rng.choice("+-")
+    return SHIFT if op == "shift" else symbol
+
+
+def apply(a: int, op: str, b: int) -> int:
+    """``a op b`` for an operator symbol: ``+`` and ``-`` mod 100, or the shift (:data:`OPS`)."""
+    if op == SHIFT:
+        return (a // 10 + 1) % 10 * 10 + (b + 1) % 10
+    return (a + b) % 100 if op == "+" else (a - b) % 100
+
+
 def _evaluate(values: dict[str, int], name: str, x: str, op: str, y: str) -> str:
-    """Evaluate ``name = x op y`` (mod 100) into ``values``; returns its chain-of-thought line."""
-    values[name] = (values[x] + values[y]) % 100 if op == "+" else (values[x] - values[y]) % 100
+    """Evaluate ``name = x op y`` into ``values``; returns its chain-of-thought line."""
+    values[name] = apply(values[x], op, values[y])
     return _line(values, name, x, op, y)
 
 
@@ -227,7 +261,7 @@ def _reason(rng: random.Random, d: Difficulty, style: ReasonStyle) -> tuple[list
         return rng.choice(constants + written)
 
     for i, name in enumerate(steps, start=1):
-        x, op, y = operand(), rng.choice("+-"), operand()
+        x, op, y = operand(), _operator(rng, d.op), operand()
         prompt.append(f"{name} = {x} {op} {y}")
         cot.append(_evaluate(values, name, x, op, y))
         done.append((name, x, op, y))
@@ -264,9 +298,10 @@ def make_task(family: str, seed: int, difficulty: Difficulty | None = None, styl
     ask, answer = last, values[last]
     if family == "gen-needle":
         a, b = rng.randrange(100), rng.randrange(100)
-        ask, answer = "key", (a + b) % 100
-        prompt.insert(0, f"key = {a:02d} + {b:02d}")
-        cot.insert(0, f"key = {a:02d} + {b:02d} = key{answer:02d}")
+        op = "+" if d.op == "add" else SHIFT
+        ask, answer = "key", apply(a, op, b)
+        prompt.insert(0, f"key = {a:02d} {op} {b:02d}")
+        cot.insert(0, f"key = {a:02d} {op} {b:02d} = key{answer:02d}")
     elif family == "prompt-needle":
         ask, answer = "code", rng.randrange(100)
         prompt.insert(round(d.depth * len(prompt)), f"code{answer:02d}")

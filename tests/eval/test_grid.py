@@ -160,6 +160,7 @@ def test_eval_teacher_forced_with_the_oracle_and_the_bound(tmp_path: Path) -> No
         (["--method", "kara,bound"], "--method bound is invalid without --teacher-forced"),
         (["--method", "nope"], "CompressionConfig.method='nope'"),
         (["--family", "nope"], "--family 'nope' is invalid"),
+        (["--op", "mul"], "Difficulty.op='mul' is invalid: must be one of add, shift"),
         (["--retention", "1.5"], "--retention 1.5 is invalid: must be in (0, 1]"),
         (["--dev-seeds", "0:10", "--test-seeds", "5:20"], "overlap"),
         (["--test-seeds", "20:10"], "--test-seeds '20:10' is invalid"),

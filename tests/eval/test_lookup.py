@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvllm.eval.lookup import (
@@ -18,7 +20,7 @@ from kvllm.eval.lookup import (
     self_recall,
     tally,
 )
-from kvllm.eval.tasks import Difficulty, make_task
+from kvllm.eval.tasks import OPS, REASON_DIFFICULTY, Difficulty, make_task
 
 PROMPT = "trace: evaluate and report ci.\n bo41\n ku13\n ce = bo + ku\n ci = ce - bo\n<think>"
 
@@ -314,15 +316,19 @@ def test_a_constant_writer_scores_the_floor_and_nothing_off_it() -> None:
     assert f.reads["generated"] - f.modal_reads == 3 and f.right["generated"] - f.modal_right == 0
 
 
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("family", ["trace", "reason"])
-def test_the_tasks_own_chains_write_distinct_results(family: str) -> None:
-    """The reference chains (true arithmetic) are the scale of the modal result share:
-    about 0.07-0.08 over 64 seeds (docs/training-attempts.md, "Session 13"), far from the
-    0.56 of the shipped model, which cannot add."""
-    difficulty = Difficulty(constants=8, steps=48) if family == "trace" else None
+def test_the_tasks_own_chains_write_distinct_results(family: str, op: str) -> None:
+    """The reference chains (true arithmetic, or the shift) are the scale of the modal
+    result share: about 0.06-0.08 over 64 seeds (docs/training-attempts.md, "Session 13"
+    and "Session 14"), far from the 0.56 of the shipped model, which cannot add. Every
+    read of a reference chain is right, the shift's included."""
+    base = Difficulty(constants=8, steps=48) if family == "trace" else REASON_DIFFICULTY
+    difficulty = dataclasses.replace(base, op=op)
     results = modal = 0
     for seed in range(16):
-        task = make_task(family, seed, difficulty) if difficulty else make_task(family, seed)
+        task = make_task(family, seed, difficulty)
         t = tally(task.prompt, task.target, window=128)
+        assert t.right == t.reads and t.reads["generated"] > 0
         results, modal = results + t.results, modal + t.modal_results
     assert results > 16 * 40 and modal / results < 0.15

@@ -64,6 +64,33 @@ def test_trace_lines_are_correct_arithmetic() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_shift_task_is_its_add_twins_program_with_the_other_operator(family: str) -> None:
+    """The op is not in the difficulty's repr, which seeds the draws: the same seed gives the
+    same program, and every ``add`` task is what it was before the knob existed."""
+    add = make_task(family, 9, Difficulty(constants=6, steps=20))
+    shift = make_task(family, 9, Difficulty(constants=6, steps=20, op="shift"))
+    assert repr(Difficulty(op="shift")) == repr(Difficulty())
+    assert " : " not in add.prompt and re.sub(r" [+-] ", " : ", add.prompt) == shift.prompt
+    assert add.target != shift.target
+
+
+def test_shift_lines_step_the_copied_digits() -> None:
+    task = make_task("trace", 11, Difficulty(constants=5, steps=30, op="shift"))
+    values = {m[1]: m[2] for line in task.prompt.splitlines() if (m := re.fullmatch(r" ([a-z]+)(\d{2})", line))}
+    cot = task.target.split(END_THINK)[0].strip().splitlines()
+    assert len(cot) == 30
+    for line in cot:
+        m = re.fullmatch(r"(\w+) = (\w+) : (\w+) = \2(\d{2}) : \3(\d{2}) = \1(\d{2})", line.strip())
+        assert m, line
+        name, x, y, vx, vy, result = m.groups()
+        assert (vx, vy) == (values[x], values[y])
+        # One more than x's tens digit, one more than y's units digit, each mod 10.
+        assert result == f"{(int(vx[0]) + 1) % 10}{(int(vy[1]) + 1) % 10}"
+        values[name] = result
+    assert task.answer == values[cot[-1].split()[0]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_format_is_regular(family: str) -> None:
     """Names follow NAMES order, values have two digits, chain-of-thought lines one shape."""
     task = make_task(family, 5, Difficulty(constants=7, steps=25))
@@ -104,6 +131,8 @@ def test_bad_difficulty() -> None:
         Difficulty(steps=len(NAMES))
     with pytest.raises(ValueError, match=r"Difficulty\.depth"):
         Difficulty(depth=1.5)
+    with pytest.raises(ValueError, match=r"Difficulty\.op='mul' is invalid: must be one of add, shift"):
+        Difficulty(op="mul")
     with pytest.raises(ValueError, match="family='nope'"):
         make_task("nope", 1)
 
