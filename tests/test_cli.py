@@ -28,6 +28,25 @@ def test_generate_prints_text_and_stats(tiny: Path) -> None:
     assert "tokens/s" in result.output
 
 
+def test_a_model_is_a_directory_or_a_shipped_name(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvllm.assets import DEFAULT_MODEL, shipped
+    from kvllm.assets import model_path as shipped_path
+    from kvllm.cli.options import model_path
+
+    assert DEFAULT_MODEL in shipped()
+    assert model_path(None) == model_path(Path(DEFAULT_MODEL)) == shipped_path()
+    assert model_path(tiny) == tiny
+    # A local directory of a shipped model's name is the one meant.
+    local = tmp_path / DEFAULT_MODEL
+    local.mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert model_path(Path(DEFAULT_MODEL)) == Path(DEFAULT_MODEL)
+    bad = runner.invoke(app, ["generate", "--model", "nope", "--task", "trace"])
+    said = " ".join(bad.output.replace("│", " ").split())  # the error box wraps the message
+    assert bad.exit_code != 0 and "--model nope is not a model directory or a shipped model" in said
+    assert DEFAULT_MODEL in said
+
+
 def test_generate_grades_held_out_tasks(tiny: Path) -> None:
     args = ["generate", "--model", str(tiny), "--task", "trace", "--n-tasks", "2", "--steps", "3"]
     result = runner.invoke(app, [*args, "--max-new-tokens", "20", "--method", "none"])

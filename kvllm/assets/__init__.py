@@ -1,4 +1,4 @@
-"""Package data: the shipped small reasoning model (safetensors + tokenizer + card)."""
+"""Package data: the shipped small reasoning models (safetensors + tokenizer + card)."""
 
 from __future__ import annotations
 
@@ -13,3 +13,8 @@ def model_path(name: str = DEFAULT_MODEL) -> Path:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"shipped model {name!r} is missing at {path}")
     return path
+
+
+def shipped() -> tuple[str, ...]:
+    """The names of the shipped models, each a directory here with a ``config.json``."""
+    return tuple(sorted(p.name for p in Path(__file__).parent.iterdir() if (p / "config.json").exists()))

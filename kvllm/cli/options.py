@@ -37,7 +37,10 @@ POOLS = ["8x,16x,max"]
 SERVERS = ["vanilla,kara"]
 SERVE_CONCURRENCY = ["16,32"]
 
-Model = Annotated[Path | None, typer.Option(help="Local model directory (transformers format); default: shipped.")]
+Model = Annotated[
+    Path | None,
+    typer.Option(help="Local model directory (transformers format) or a shipped model's name; default: shipped."),
+]
 Shape = Annotated[str | None, typer.Option(help=f"A random-weight model instead: {', '.join(SHAPES)}.")]
 Retention = Annotated[float, typer.Option(help="Fraction of each window kept, in (0, 1].")]
 Window = Annotated[int, typer.Option(help="Window W: compressible tokens (a multiple of the block size).")]
@@ -79,13 +82,20 @@ def make_config(**fields: Any) -> CompressionConfig:
 
 
 def model_path(model: Path | None) -> Path:
-    """``model`` or the shipped default, checked to be a model directory."""
-    from kvllm.assets import model_path
+    """``model`` (a directory, or a shipped model's name) or the shipped default, checked
+    to be a model directory; a local directory wins over a shipped model of its name."""
+    from kvllm.assets import model_path as shipped_path
+    from kvllm.assets import shipped
 
-    path = model if model is not None else model_path()
-    if not path.is_dir():
-        raise typer.BadParameter(f"--model {path} is not a model directory")
-    return path
+    if model is None:
+        return shipped_path()
+    if not model.is_dir() and str(model) in shipped():
+        return shipped_path(str(model))
+    if not model.is_dir():
+        raise typer.BadParameter(
+            f"--model {model} is not a model directory or a shipped model ({', '.join(shipped())})"
+        )
+    return model
 
 
 def model_or_shape(model: Path | None, shape: str | None) -> Path:
