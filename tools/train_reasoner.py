@@ -32,12 +32,12 @@ from kvllm.eval.tasks import (
     FAMILIES,
     NAMES,
     OPS,
-    SHIFT,
     THINK,
     TRACE_FAMILIES,
     TRAIN_SEEDS,
     Difficulty,
     apply,
+    draw_operator,
     make_task,
 )
 
@@ -158,10 +158,9 @@ def _drill(rng: random.Random, lines: int, op: str = "add") -> tuple[str, str]:
     out = []
     for _ in range(lines):
         name, x, y = rng.sample(NAMES, 3)
-        vx, vy, symbol = rng.randrange(100), rng.randrange(100), rng.choice("+-")
-        op = SHIFT if op == "shift" else symbol
-        result = apply(vx, op, vy)
-        out.append(f"{name} = {x} {op} {y} = {x}{vx:02d} {op} {y}{vy:02d} = {name}{result:02d}")
+        vx, vy, symbol = rng.randrange(100), rng.randrange(100), draw_operator(rng, op)
+        result = apply(vx, symbol, vy)
+        out.append(f"{name} = {x} {symbol} {y} = {x}{vx:02d} {symbol} {y}{vy:02d} = {name}{result:02d}")
     text = "\n ".join(["drill: evaluate every line.", THINK, *out])
     split = text.index(THINK) + len(THINK)
     return text[:split], text[split:]

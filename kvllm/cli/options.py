@@ -89,13 +89,11 @@ def model_path(model: Path | None) -> Path:
 
     if model is None:
         return shipped_path()
-    if not model.is_dir() and str(model) in shipped():
+    if model.is_dir():
+        return model
+    if str(model) in shipped():
         return shipped_path(str(model))
-    if not model.is_dir():
-        raise typer.BadParameter(
-            f"--model {model} is not a model directory or a shipped model ({', '.join(shipped())})"
-        )
-    return model
+    raise typer.BadParameter(f"--model {model} is not a model directory or a shipped model ({', '.join(shipped())})")
 
 
 def model_or_shape(model: Path | None, shape: str | None) -> Path:

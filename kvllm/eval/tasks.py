@@ -126,14 +126,14 @@ def _program(rng: random.Random, d: Difficulty) -> tuple[list[str], list[str], s
         prompt.append(f"{name}{values[name]:02d}")
     for name in names[d.constants :]:
         defined = list(values)
-        op = _operator(rng, d.op)
+        op = draw_operator(rng, d.op)
         x, y = rng.choice(defined), rng.choice(defined)
         prompt.append(f"{name} = {x} {op} {y}")
         cot.append(_evaluate(values, name, x, op, y))
     return prompt, cot, names[-1], values
 
 
-def _operator(rng: random.Random, op: str) -> str:
+def draw_operator(rng: random.Random, op: str) -> str:
     """A statement's operator symbol; ``+`` or ``-`` is drawn either way, so that both ops
     make the same program from the same seed."""
     symbol = rng.choice("+-")
@@ -261,7 +261,7 @@ def _reason(rng: random.Random, d: Difficulty, style: ReasonStyle) -> tuple[list
         return rng.choice(constants + written)
 
     for i, name in enumerate(steps, start=1):
-        x, op, y = operand(), _operator(rng, d.op), operand()
+        x, op, y = operand(), draw_operator(rng, d.op), operand()
         prompt.append(f"{name} = {x} {op} {y}")
         cot.append(_evaluate(values, name, x, op, y))
         done.append((name, x, op, y))
