@@ -58,6 +58,19 @@ def test_generate_grades_held_out_tasks(tiny: Path) -> None:
     assert missing.exit_code != 0 and "give PROMPTS or --task" in missing.output
 
 
+def test_generate_takes_the_tasks_operator(tiny: Path) -> None:
+    from kvllm.eval.tasks import SHIFT, Difficulty, make_task
+
+    args = ["generate", "--model", str(tiny), "--task", "trace", "--n-tasks", "1", "--steps", "3"]
+    result = runner.invoke(app, [*args, "--op", "shift", "--max-new-tokens", "5", "--method", "none"])
+    assert result.exit_code == 0, result.output
+    shifted = make_task("trace", 0, Difficulty(constants=8, steps=3, op="shift"))
+    assert SHIFT in shifted.prompt and shifted.answer in result.output
+    assert " ".join(shifted.prompt.split()[:12]) in " ".join(result.output.split())
+    bad = runner.invoke(app, [*args, "--op", "mul"])
+    assert bad.exit_code != 0 and "Difficulty.op='mul' is invalid" in bad.output
+
+
 def test_generate_rejects_bad_config(tiny: Path) -> None:
     result = runner.invoke(app, ["generate", "--model", str(tiny), "--retention", "0", "a prompt here"])
     assert result.exit_code != 0
@@ -158,7 +171,7 @@ def test_calibrate_writes_the_models_filters(tiny: Path, tmp_path: Path) -> None
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvllm.eval.tasks import TRAIN_SEEDS, make_task
+    from kvllm.eval.tasks import TRAIN_SEEDS, Difficulty, make_task
     from kvllm.hf.calibrate import q_filters
 
     out = tmp_path / "cal" / "q_filters.safetensors"
@@ -180,6 +193,17 @@ def test_calibrate_writes_the_models_filters(tiny: Path, tmp_path: Path) -> None
     torch.testing.assert_close(filters, q_filters(lm, inputs))
     bad = runner.invoke(app, ["calibrate", str(tiny), "--out", str(out), "--family", "nope"])
     assert bad.exit_code != 0 and "--family 'nope' is invalid" in bad.output
+    # --op: the texts are the shift twins of the same seeds.
+    args = ["calibrate", str(tiny), "--out", str(out), "--n", "2", "--family", "trace"]
+    shift = runner.invoke(app, [*args, "--op", "shift"])
+    assert shift.exit_code == 0, shift.output
+    with safe_open(str(out), framework="pt") as f:
+        metadata = f.metadata()
+    twins = [make_task("trace", s, Difficulty(op="shift")).text for s in (1_000_000, 1_000_001)]
+    assert metadata["op"] == "shift"
+    assert metadata["tokens"] == str(sum(len(tok(t)["input_ids"]) for t in twins))
+    bad_op = runner.invoke(app, ["calibrate", str(tiny), "--out", str(out), "--op", "mul"])
+    assert bad_op.exit_code != 0 and "Difficulty.op='mul' is invalid" in bad_op.output
 
 
 def test_calibration_flags_set_the_methods_param(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

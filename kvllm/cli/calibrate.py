@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvllm.cli.options import TASK_FAMILIES, console, load_model, model_path, split
+from kvllm.cli.options import TASK_FAMILIES, Op, console, load_model, model_path, split
 from kvllm.eval.tasks import FAMILIES, TRAIN_SEEDS
 
 
@@ -21,6 +21,7 @@ def calibrate(
     family: Annotated[
         list[str], typer.Option(help="Task families the texts cycle through (repeatable or commas).")
     ] = TASK_FAMILIES,
+    op: Op = "add",
 ) -> None:
     """Compute MODEL's Q-Filters and write them to --out, for --method qfilter.
 
@@ -28,10 +29,13 @@ def calibrate(
     (the first N from 1,000,000, the families in turn): never a development or test seed,
     so no evaluated problem is seen. 32 texts of the trace families (about 1,000 tokens
     each) run through the model twice, once for the directions and once for their signs.
+    --op gives the tasks the operator MODEL was trained on (its card).
     Pass the file as params={"calibration": PATH}, --param qfilter:calibration=PATH or
     --calibration PATH (kvllm eval), --kv-calibration PATH (kvllm serve).
     """
-    from kvllm.eval.tasks import make_task
+    from dataclasses import replace
+
+    from kvllm.eval.tasks import default_difficulty, make_task
     from kvllm.hf.calibrate import q_filters
     from kvllm.methods.qfilter import model_signature, save_calibration
 
@@ -41,9 +45,14 @@ def calibrate(
             raise typer.BadParameter(f"--family {f!r} is invalid: must be one of {', '.join(FAMILIES)}")
     if n < 1:
         raise typer.BadParameter(f"--n {n} is invalid: must be >= 1")
+    try:
+        difficulties = {f: replace(default_difficulty(f), op=op) for f in families}
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
     path = model_path(model)
     tok, lm = load_model(path)
-    tasks = [make_task(families[i % len(families)], TRAIN_SEEDS.start + i) for i in range(n)]
+    picked = [families[i % len(families)] for i in range(n)]
+    tasks = [make_task(f, TRAIN_SEEDS.start + i, difficulties[f]) for i, f in enumerate(picked)]
     inputs = [tok(t.text, return_tensors="pt")["input_ids"][0] for t in tasks]
     filters = q_filters(lm, inputs)
     layers, kv_heads, head_dim = filters.shape
@@ -52,6 +61,7 @@ def calibrate(
         "model": str(path),
         **model_signature(lm.config),
         "queries": "post-RoPE, every token of every text",
+        "op": op,
         "tasks": json.dumps([[t.family, t.seed] for t in tasks]),
         "tokens": str(sum(len(ids) for ids in inputs)),
     }

@@ -14,6 +14,7 @@ from kvllm.cli.options import (
     Buffer,
     D,
     Model,
+    Op,
     Period,
     Window,
     console,
@@ -48,12 +49,7 @@ def evaluate(
         int | None, typer.Option(help="Constants per program; default 12 (reason: 6).", show_default=False)
     ] = None,
     depth: Annotated[float, typer.Option(help="prompt-needle depth in [0, 1].")] = 0.5,
-    op: Annotated[
-        str,
-        typer.Option(
-            help="The statements' operator: add (+/- mod 100) or shift, for a model trained on it (its card)."
-        ),
-    ] = "add",
+    op: Op = "add",
     math_jsonl: Annotated[list[Path] | None, typer.Option(help="MATH/AIME jsonl files instead of tasks.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Math problems: generation budget.")] = 4096,
     samples: Annotated[int, typer.Option(help="Samples per problem.")] = 1,

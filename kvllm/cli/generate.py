@@ -12,6 +12,7 @@ from kvllm.cli.options import (
     Buffer,
     D,
     Model,
+    Op,
     Param,
     Period,
     Policy,
@@ -32,6 +33,7 @@ def generate(
     task: Annotated[str | None, typer.Option(help=f"Instead of PROMPTS: held-out tasks of {FAMILIES}.")] = None,
     n_tasks: Annotated[int, typer.Option(help="With --task: how many (seeds 0..n-1).")] = 2,
     steps: Annotated[int, typer.Option(help="With --task: program steps (CoT about 18 tokens each).")] = 30,
+    op: Op = "add",
     model: Model = None,
     backend: Annotated[Backend, typer.Option(help="hf (transformers reference) or vllm (KvLLM proper).")] = Backend.hf,
     method: Annotated[str, typer.Option(help="Selection method, or 'none' for Full KV.")] = D.method,
@@ -59,7 +61,11 @@ def generate(
         )  # fmt: skip
     if task is not None and task not in FAMILIES:
         raise typer.BadParameter(f"--task {task!r} is invalid: must be one of {', '.join(FAMILIES)}")
-    tasks = [make_task(task, s, Difficulty(constants=8, steps=steps)) for s in range(n_tasks)] if task else []
+    try:
+        difficulty = Difficulty(constants=8, steps=steps, op=op)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    tasks = [make_task(task, s, difficulty) for s in range(n_tasks)] if task else []
     prompts = [t.prompt for t in tasks] or prompts
     if not prompts:
         raise typer.BadParameter("give PROMPTS or --task")

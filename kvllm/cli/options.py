@@ -48,6 +48,10 @@ Buffer = Annotated[int, typer.Option(help="Protected buffer b at the window's en
 Period = Annotated[int, typer.Option(help="Period P: a round every P of a sequence's decode steps.")]
 Policy = Annotated[str, typer.Option(help=f"When to compress: {', '.join(POLICIES)}.")]
 Param = Annotated[list[str] | None, typer.Option(help="A method parameter, KEY=VALUE (repeatable), e.g. rho=0.4.")]
+Op = Annotated[
+    str,
+    typer.Option(help="The tasks' operator: add (+/- mod 100) or shift, for a model trained on it (its card)."),
+]
 
 
 class Backend(StrEnum):
