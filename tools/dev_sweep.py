@@ -164,7 +164,7 @@ def main() -> None:
             (out / "results.jsonl").write_text(json.dumps(dataclasses.asdict(shared)) + "\n")
         cells = run_grid(
             lm, tok, problems, [method], [args.retention], base, out,
-            batch_size=args.batch_size, teacher_forced=True, params={method: params},
+            batch_size=args.batch_size, mode="teacher-forced", params={method: params},
         )  # fmt: skip
         cell = next(c for c in cells if c.method == method)
         right = [p["right"]["generated"] for p in cell.problems]

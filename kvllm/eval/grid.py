@@ -5,10 +5,21 @@ resumes where it stopped. Retention 1.0 keeps every token whatever the method, s
 run once per family as the ``full`` (Full KV) cell and shared by every method's curve.
 
 Each problem is graded by exact match and by lookup fidelity (:mod:`kvllm.eval.lookup`).
-A cell runs free (the model's own tokens) or teacher-forced: the Full-KV free cell's
-completions are forced through the same compressing cache (same rounds), so every
-method sees the same tokens and no error compounds; only there can the ``oracle``
-selector run (:mod:`kvllm.eval.oracle`).
+A cell runs in one of three modes:
+
+- **free**: the model's own tokens;
+- **teacher-forced**: the Full-KV free cell's completions are forced through the same
+  compressing cache (same rounds), so every method sees the same tokens and no error
+  compounds;
+- **reference-forced**: the task's own completion (its true chain of thought, written by
+  the generator) is forced instead. Every read is then of a value the arithmetic really
+  produced (a model that cannot add, or writes ``00`` everywhere, cannot lower the
+  floor), and a model is graded only on what compression endangers: reading a value back.
+  This is how a model whose free chains go astray (issue 22's second model) still
+  serves as a testbed, and it needs no free cell.
+
+Only the forced modes can run the ``oracle`` and ``bound`` selectors
+(:mod:`kvllm.eval.oracle`, :mod:`kvllm.eval.bound`).
 """
 
 from __future__ import annotations
@@ -30,7 +41,8 @@ BOUND = "bound"
 #: Selectors that read the forced sequence (kvllm.eval.oracle, kvllm.eval.bound): they
 #: run teacher-forced only, take no params, and are not in the method registry.
 FORCED_ONLY = (ORACLE, BOUND)
-MODES = ("free", "teacher-forced")
+MODES = ("free", "teacher-forced", "reference-forced")
+FORCED_MODES = MODES[1:]
 # Methods default to every registered one that needs no calibration file (kvllm.cli.options.METHODS).
 DEFAULT_RETENTIONS = (0.1, 0.2, 0.3, 0.5, 1.0)
 
@@ -79,22 +91,22 @@ class CellResult:
 
 
 def cells(
-    methods: Sequence[str], retentions: Sequence[float], families: Sequence[str], teacher_forced: bool = False
+    methods: Sequence[str], retentions: Sequence[float], families: Sequence[str], mode: str = "free"
 ) -> list[tuple[str, float, str, str]]:
     """The distinct (method, retention, family, mode) cells, Full KV once per family and mode.
 
-    The free Full-KV cell always runs: teacher-forced cells force its completions.
+    Teacher-forced cells force the free Full-KV cell's completions, so it always runs
+    with them; reference-forced cells force the tasks' own and need no free cell.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is invalid: must be one of {', '.join(MODES)}")
     out: list[tuple[str, float, str, str]] = []
     for family in families:
-        if any(r >= 1.0 for r in retentions) or teacher_forced:
+        if mode != "reference-forced" and (any(r >= 1.0 for r in retentions) or mode == "teacher-forced"):
             out.append((FULL, 1.0, family, "free"))
-        if not teacher_forced:
-            out += [(m, r, family, "free") for m in methods for r in retentions if r < 1.0]
-            continue
-        if any(r >= 1.0 for r in retentions):
-            out.append((FULL, 1.0, family, "teacher-forced"))
-        out += [(m, r, family, "teacher-forced") for m in methods for r in retentions if r < 1.0]
+        if mode != "free" and any(r >= 1.0 for r in retentions):
+            out.append((FULL, 1.0, family, mode))
+        out += [(m, r, family, mode) for m in methods for r in retentions if r < 1.0]
     return out
 
 
@@ -194,7 +206,9 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
 
     if predictions is not None:
         t = lookup.forced_tally(tokenizer, problem.prompt, ids, predictions[row], window)
+        recall = lookup.forced_recall(tokenizer, problem.prompt, problem.family, ids, predictions[row])
     else:
+        recall = _recall(problem, text)
         _, owner = lookup.char_to_token(tokenizer, ids)
         prompt_ids = tokenizer(problem.prompt)["input_ids"]
         _, prompt_owner = lookup.char_to_token(tokenizer, prompt_ids)
@@ -202,7 +216,7 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
     record = {
         "uid": problem.uid,
         "correct": problem.grade(text),
-        "recall": _recall(problem, text),
+        "recall": recall,
         "reads": t.reads,
         "right": t.right,
         "bucket_reads": t.bucket_reads,
@@ -287,7 +301,7 @@ def run_grid(
     samples: int = 1,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    teacher_forced: bool = False,
+    mode: str = "free",
     params: Mapping[str, dict] | None = None,
     on_progress: Callable[[str, int], None] | None = None,
 ) -> list[CellResult]:
@@ -299,12 +313,15 @@ def run_grid(
     for a method needs its own ``out_dir``. ``on_progress(cell_name, problems_done)``
     drives a progress bar.
     """
-    for m in (m for m in FORCED_ONLY if m in methods and not teacher_forced):
-        raise ValueError(f"--method {m} is invalid without --teacher-forced: it reads the forced sequence")
+    for m in (m for m in FORCED_ONLY if m in methods and mode not in FORCED_MODES):
+        raise ValueError(f"--method {m} is invalid in free cells: it reads the forced sequence")
+    if mode == "reference-forced":
+        for p in (p for family in problems.values() for p in family if not p.reference):
+            raise ValueError(f"problem {p.family}/{p.uid} has no reference completion to force (a math problem?)")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.jsonl"
     done = load_results(path)
-    wanted = cells(methods, retentions, list(problems), teacher_forced)
+    wanted = cells(methods, retentions, list(problems), mode)
     for m in (m for m in FORCED_ONLY if params and params.get(m)):
         raise ValueError(f"the {m} takes no params")
     for method, retention, family, mode in wanted:
@@ -328,6 +345,8 @@ def run_grid(
         if mode == "teacher-forced":
             full = done[(FULL, 1.0, family, "free", base.window, base.buffer)]
             forced = [r["ids"] for r in full.problems]
+        elif mode == "reference-forced":
+            forced = [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems[family]]
         name = f"{method} r={retention} {family} {mode}"
         start = time.perf_counter()
         records = run_accuracy_cell(

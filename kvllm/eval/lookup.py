@@ -47,6 +47,7 @@ HEDGE = re.compile("^ ?(" + "|".join(re.escape(h) for h in HEDGES) + ")$")
 _HEADER = re.compile(r"report (\w+)\.")
 _CONSTANT = re.compile(r"^ ?([a-z]+)(\d{2})$")
 _KEY = re.compile(r"^ ?key = \d{2} [-+:] \d{2} = key(\d{2})$")
+_ANSWER_DIGITS = re.compile(r"\d+")
 #: Distance buckets, as (label, low, high) in multiples of W: [low * W, high * W).
 BUCKETS: tuple[tuple[str, float, float], ...] = (
     ("<W", 0, 1),
@@ -306,3 +307,27 @@ def forced_tally(tokenizer, prompt: str, forced: Sequence[int], predictions: Seq
         spelled = tokenizer.decode([predictions[i] for i in digits], skip_special_tokens=True).strip()
         graded.append(dataclasses.replace(read, right=spelled == f"{read.expected:02d}"))
     return _tally(graded, text, window)
+
+
+def forced_recall(
+    tokenizer, prompt: str, family: str, forced: Sequence[int], predictions: Sequence[int]
+) -> bool | None:
+    """Forced self-recall (gen-needle) or answer recall (reason): the model's argmax at the
+    forced answer's digits spells the value the forced chain wrote for ``key`` or for the
+    asked variable; ``None`` for the other families. (The forced text's own answer says
+    nothing of the cache it was forced through.)"""
+    if family not in ("gen-needle", "reason"):
+        return None
+    text, owner = char_to_token(tokenizer, forced)
+    if family == "reason":
+        source = answer_source(prompt, text)
+        expected = None if source is None else text[source : source + 2]
+    else:
+        key = next((m for line in text.split("\n") if (m := _KEY.match(line))), None)
+        expected = None if key is None else key.group(1)
+    end = text.rfind(END_THINK)
+    answer = _ANSWER_DIGITS.search(text, end + len(END_THINK)) if end >= 0 else None
+    if expected is None or answer is None:
+        return False
+    digits = sorted({owner[i] for i in range(answer.start(), answer.end())})
+    return tokenizer.decode([predictions[i] for i in digits], skip_special_tokens=True).strip() == expected

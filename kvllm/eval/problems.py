@@ -13,6 +13,8 @@ class Problem:
 
     ``grader`` names how a completion is checked: ``"task"`` (exact match of the
     generated tasks' final answer) or ``"math"`` (math-verify on the boxed answer).
+    ``reference`` is the task's own completion (its true chain of thought and answer),
+    which reference-forced cells force through each cache; math problems have none.
     """
 
     family: str
@@ -21,6 +23,7 @@ class Problem:
     answer: str
     max_new_tokens: int
     grader: str = "task"
+    reference: str = ""
 
     def grade(self, completion: str) -> bool:
         if self.grader == "task":
@@ -45,5 +48,5 @@ def task_problems(
             raise ValueError(f"seed {seed} is outside the held-out range {tasks.TEST_SEEDS}")
         task = tasks.make_task(family, seed, difficulty)
         budget = round(len(tokenizer(task.target)["input_ids"]) * slack) + 8
-        problems.append(Problem(family, str(seed), task.prompt, task.answer, budget))
+        problems.append(Problem(family, str(seed), task.prompt, task.answer, budget, reference=task.target))
     return problems

@@ -21,9 +21,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_cells_share_full_kv() -> None:
     grid = cells(["kara", "snapkv"], [0.2, 1.0], ["trace"])
     assert grid == [(FULL, 1.0, "trace", "free"), ("kara", 0.2, "trace", "free"), ("snapkv", 0.2, "trace", "free")]
-    forced = cells(["kara"], [0.2], ["trace"], teacher_forced=True)
+    forced = cells(["kara"], [0.2], ["trace"], "teacher-forced")
     # Teacher-forced cells force the free Full-KV cell's completions: it always runs.
     assert forced == [(FULL, 1.0, "trace", "free"), ("kara", 0.2, "trace", "teacher-forced")]
+    # Reference-forced cells force the tasks' own chains: no free cell, Full KV only when asked.
+    assert cells(["kara"], [0.2], ["reason"], "reference-forced") == [("kara", 0.2, "reason", "reference-forced")]
+    assert cells(["kara"], [0.2, 1.0], ["reason"], "reference-forced") == [
+        (FULL, 1.0, "reason", "reference-forced"),
+        ("kara", 0.2, "reason", "reference-forced"),
+    ]
+    with pytest.raises(ValueError, match="mode='forced' is invalid"):
+        cells(["kara"], [0.2], ["trace"], "forced")
 
 
 def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -> None:
@@ -153,6 +161,42 @@ def test_eval_teacher_forced_with_the_oracle_and_the_bound(tmp_path: Path) -> No
     assert (out / "frontier.png").stat().st_size > 0
 
 
+def test_eval_reference_forced_grades_the_tasks_own_chains(tmp_path: Path) -> None:
+    """On the shipped model: the tasks' reference chains forced through each cache, no free cell."""
+    from transformers import AutoTokenizer
+
+    from kvllm.assets import model_path
+    from kvllm.eval import lookup
+    from kvllm.eval.tasks import Difficulty, make_task
+
+    out = tmp_path / "rf"
+    args = ["eval", "--out", str(out), "--method", "kara,oracle", "--retention", "0.25,1.0", "--n", "3"]
+    args += ["--family", "trace,gen-needle", "--steps", "6", "--constants", "4", "--window", "32", "--buffer", "8"]
+    result = CliRunner().invoke(app, [*args, "--period", "4", "--batch-size", "3", "--reference-forced"])
+    assert result.exit_code == 0, result.output
+    cells = load_results(out / "results.jsonl")
+    assert {(k[0], k[2], k[3]) for k in cells} == {
+        (m, f, "reference-forced") for m in (FULL, "kara", "oracle") for f in ("trace", "gen-needle")
+    }
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    for family in ("trace", "gen-needle"):
+        full = cells[(FULL, 1.0, family, "reference-forced", 32, 8)]
+        kara = cells[("kara", 0.25, family, "reference-forced", 32, 8)]
+        assert kara.held_mean < 1.0 == full.held_mean
+        for i, seed in enumerate(range(3)):
+            task = make_task(family, seed, Difficulty(constants=4, steps=6))
+            # The graded reads and the floor are the reference chain's, in every cell.
+            reference = lookup.tally(task.prompt, task.target, 32)
+            for cell in (full, kara):
+                assert cell.problems[i]["reads"] == reference.reads
+                assert cell.problems[i]["modal_reads"] == reference.modal_reads
+                assert cell.problems[i]["new_tokens"] == len(tokenizer(task.target)["input_ids"])
+        # The shipped model reads the reference chains back with Full KV (about 0.99, docs/accuracy.md).
+        assert full.fidelity_generated > 0.9
+        # Recall is graded on the argmax at the answer: defined for gen-needle only.
+        assert (full.recall is None) == (family == "trace")
+
+
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
@@ -169,6 +213,8 @@ def test_eval_teacher_forced_with_the_oracle_and_the_bound(tmp_path: Path) -> No
         (["--method", "kara", "--param", "snapkv:obs_window=8"], "is invalid: 'snapkv' is not among"),
         (["--method", "kara", "--param", "kara:nope=1"], "nope"),
         (["--method", "kara,oracle", "--teacher-forced", "--param", "oracle:band=2"], "the oracle takes none"),
+        (["--teacher-forced", "--reference-forced"], "--teacher-forced and --reference-forced are exclusive"),
+        (["--reference-forced", "--math-jsonl", "x.jsonl"], "--reference-forced is invalid with --math-jsonl"),
     ],
 )
 def test_eval_rejects_bad_flags(tiny: Path, tmp_path: Path, extra: list[str], fragment: str) -> None:

@@ -13,6 +13,7 @@ from kvllm.eval.lookup import (
     answer_recall,
     bucket,
     char_to_token,
+    forced_recall,
     forced_tally,
     malformed_lines,
     modal_value,
@@ -207,6 +208,42 @@ def test_forced_tally_buckets_the_argmax_reads_by_distance() -> None:
     assert t.reads == {"prompt": 7, "generated": 5} and t.right == {"prompt": 7, "generated": 4}
     assert t.bucket_reads == {"<W": 4, "W-2W": 0, "2W-4W": 1, ">4W": 0}
     assert t.bucket_right == {"<W": 4, "W-2W": 0, "2W-4W": 0, ">4W": 0}
+
+
+@pytest.mark.parametrize("family", ["reason", "gen-needle"])
+def test_forced_recall_grades_the_argmax_at_the_answers_digits(family: str) -> None:
+    """Forced recall reads the model's prediction at the answer, not the forced answer."""
+    from transformers import AutoTokenizer
+
+    from kvllm.assets import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    d = REASON_DIFFICULTY if family == "reason" else Difficulty(constants=4, steps=6)
+    task = make_task(family, 7, d)
+    forced = tokenizer(task.target, add_special_tokens=False)["input_ids"]
+    # A perfect predictor's argmax is each forced token.
+    assert forced_recall(tokenizer, task.prompt, family, forced, forced) is True
+    # The answer is the last two digits of the text: change the prediction of the last digit.
+    assert tokenizer.decode(forced[-1:]).strip() == task.answer[-1]
+    wrong = str((int(task.answer[-1]) + 1) % 10)
+    predictions = [*forced[:-1], tokenizer(f" {wrong}", add_special_tokens=False)["input_ids"][-1]]
+    assert tokenizer.decode(predictions[-1:]).strip() == wrong
+    assert forced_recall(tokenizer, task.prompt, family, forced, predictions) is False
+    # Predictions elsewhere do not count.
+    elsewhere = [*predictions[:-3], *forced[-3:]]
+    elsewhere[3] = elsewhere[5]
+    assert forced_recall(tokenizer, task.prompt, family, forced, elsewhere) is True
+
+
+def test_forced_recall_is_none_for_families_without_a_recall() -> None:
+    from transformers import AutoTokenizer
+
+    from kvllm.assets import model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    task = make_task("trace", 3, Difficulty(constants=4, steps=6))
+    forced = tokenizer(task.target, add_special_tokens=False)["input_ids"]
+    assert forced_recall(tokenizer, task.prompt, "trace", forced, forced) is None
 
 
 @pytest.mark.parametrize(("distance", "label"), [(0, "<W"), (31, "<W"), (32, "W-2W"), (127, "2W-4W"), (128, ">4W")])
