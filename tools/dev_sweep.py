@@ -1,13 +1,18 @@
-"""Every knob variant tried, on development seeds only: the tuning record of issue 14.
+"""Every knob variant tried, on development seeds only: the tuning record of issues 14, 22 and 23.
 
 Teacher-forced (every method sees Full KV's tokens, so a difference is the selection),
-trace, 48 steps, 8 constants, at one retention. Each variant runs as its own
+trace, 48 steps, 8 constants, at one retention, on the shipped model; or, with
+``--model M --family reason --mode reference-forced --variants second-model``, issue 22's
+sweep of the paper's baselines and Kara on another model and family (every method sees
+the tasks' own chains). Each variant runs as its own
 ``kvllm eval`` cell (the grid's code: same cache, policy, rounds, grading) in
 ``OUT/<variant>/``; the Full-KV free cell runs once and is shared. Writes ``OUT/sweep.md``:
 each variant's generated-read lookup fidelity with its bootstrap interval, the memory
 held, and its paired difference to the method's default on the same problems.
 
     python tools/dev_sweep.py --out /tmp/dev-sweep --n 64 --retention 0.2 [--methods kara-vpool,...]
+    python tools/dev_sweep.py --out /tmp/sweep-6l --n 32 --family reason --mode reference-forced \
+        --variants second-model --model docs/training-attempts/second-model-session11/checkpoint
 
 Development seeds (100000 on) never overlap the reported test seeds (0 on), so what this
 chooses is reported on problems it never saw.
@@ -25,7 +30,7 @@ from kvllm.cli.options import load_model
 from kvllm.eval.grid import run_grid
 from kvllm.eval.problems import task_problems
 from kvllm.eval.stats import bootstrap_ratio, paired_difference
-from kvllm.eval.tasks import Difficulty
+from kvllm.eval.tasks import Difficulty, default_difficulty
 
 # The first seed of `kvllm eval --split dev` (its --dev-seeds default).
 DEV_FIRST_SEED = 100_000
@@ -131,6 +136,39 @@ VARIANTS: list[tuple[str, dict, int, int]] = [
 ]
 
 
+# Issue 22 (session 16): the single knobs of the paper's baselines and Kara from the first
+# rounds above, and the pairs that won there, fixed before any of them ran on the second model.
+SECOND_MODEL_VARIANTS: list[tuple[str, dict, int, int]] = [
+    ("kara", {}, 128, 32),
+    ("kara", {"rho": 0.25}, 128, 32),
+    ("kara", {"rho": 0.75}, 128, 32),
+    ("kara", {"beta": 0.0}, 128, 32),
+    ("kara", {"beta": 2.0}, 128, 32),
+    ("kara", {"max_gap": 4}, 128, 32),
+    ("kara", {"max_gap": 32}, 128, 32),
+    ("kara", {"rho": 0.75, "max_gap": 4}, 128, 32),
+    ("snapkv", {}, 128, 32),
+    ("snapkv", {"obs_window": 16}, 128, 32),
+    ("snapkv", {"obs_window": 64}, 128, 32),
+    ("snapkv", {"obs_window": 96}, 128, 32),
+    ("snapkv", {"obs_window": 160}, 128, 32),
+    ("snapkv", {"pool_kernel": 1}, 128, 32),
+    ("snapkv", {"pool_kernel": 15}, 128, 32),
+    ("chunkkv", {}, 128, 32),
+    ("chunkkv", {"chunk_size": 2}, 128, 32),
+    ("chunkkv", {"chunk_size": 5}, 128, 32),
+    ("chunkkv", {"chunk_size": 40}, 128, 32),
+    ("chunkkv", {"chunk_size": 2, "obs_window": 96}, 128, 32),
+    ("pyramidkv", {}, 128, 32),
+    ("pyramidkv", {"obs_window": 64}, 128, 32),
+    ("pyramidkv", {"obs_window": 128}, 128, 32),
+    ("adakv", {}, 128, 32),
+    ("adakv", {"obs_window": 64}, 128, 32),
+    ("adakv", {"obs_window": 128}, 128, 32),
+]
+VARIANT_SETS = {"trace": VARIANTS, "second-model": SECOND_MODEL_VARIANTS}
+
+
 def label(method: str, params: dict, window: int, buffer: int) -> str:
     knobs = [f"{k}={v}" for k, v in params.items()]
     if (window, buffer) != (128, 32):
@@ -145,26 +183,36 @@ def main() -> None:
     parser.add_argument("--retention", type=float, default=0.2)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--methods", default="", help="Only these methods' variants (commas); default: all.")
+    parser.add_argument("--model", type=Path, default=None, help="A model directory; default: the shipped one.")
+    parser.add_argument("--family", choices=("trace", "reason"), default="trace")
+    parser.add_argument("--mode", choices=("teacher-forced", "reference-forced"), default="teacher-forced")
+    parser.add_argument("--variants", choices=sorted(VARIANT_SETS), default="trace")
     args = parser.parse_args()
     only = set(filter(None, args.methods.split(",")))
 
-    tok, lm = load_model(None)
-    problems = {"trace": task_problems("trace", args.n, Difficulty(constants=8, steps=48), tok, DEV_FIRST_SEED)}
+    tok, lm = load_model(args.model)
+    difficulty = Difficulty(constants=8, steps=48) if args.family == "trace" else default_difficulty(args.family)
+    problems = {args.family: task_problems(args.family, args.n, difficulty, tok, DEV_FIRST_SEED)}
     full_dir = args.out / "full"
-    full = run_grid(lm, tok, problems, [], [1.0], CompressionConfig(period=16), full_dir, batch_size=args.batch_size)[0]
+    # Teacher-forced cells force the free Full-KV cell's completions (shared below);
+    # reference-forced ones force the tasks' own chains, and Full KV reads them too.
+    full = run_grid(
+        lm, tok, problems, [], [1.0], CompressionConfig(period=16), full_dir,
+        batch_size=args.batch_size, mode="free" if args.mode == "teacher-forced" else args.mode,
+    )[0]  # fmt: skip
     rows, defaults = [], {}
-    for method, params, window, buffer in (v for v in VARIANTS if not only or v[0] in only):
+    for method, params, window, buffer in (v for v in VARIANT_SETS[args.variants] if not only or v[0] in only):
         base = CompressionConfig(window=window, buffer=buffer, period=16)
         name = label(method, params, window, buffer)
         out = args.out / name.replace(" ", "_").replace("(", "").replace(")", "")
         out.mkdir(parents=True, exist_ok=True)
-        if not (out / "results.jsonl").exists():
+        if args.mode == "teacher-forced" and not (out / "results.jsonl").exists():
             # Full KV compresses nothing, so its completions serve every W and b.
             shared = dataclasses.replace(full, window=window, buffer=buffer)
             (out / "results.jsonl").write_text(json.dumps(dataclasses.asdict(shared)) + "\n")
         cells = run_grid(
             lm, tok, problems, [method], [args.retention], base, out,
-            batch_size=args.batch_size, mode="teacher-forced", params={method: params},
+            batch_size=args.batch_size, mode=args.mode, params={method: params},
         )  # fmt: skip
         cell = next(c for c in cells if c.method == method)
         right = [p["right"]["generated"] for p in cell.problems]
@@ -175,7 +223,8 @@ def main() -> None:
         rows.append((*row, diff, cell.seconds))
         print(json.dumps({"variant": name, "fidelity": cell.fidelity_generated, "held": cell.held_mean}), flush=True)
     lines = [
-        f"Development seeds {DEV_FIRST_SEED}-{DEV_FIRST_SEED + args.n - 1}, trace 48 steps, teacher-forced, "
+        f"Development seeds {DEV_FIRST_SEED}-{DEV_FIRST_SEED + args.n - 1}, {args.family} {difficulty.steps} steps, "
+        f"{args.mode}, model {args.model or 'shipped'}, "
         f"r={args.retention}, P=16. Full KV: {full.fidelity_generated:.3f}. Non-modal: the reads off each "
         "chain's modal value (kvllm/eval/lookup.py).",
         "",

@@ -55,14 +55,36 @@ def paired_difference(
     Problem ``i`` of A and of B is the same problem; resampling draws problems, so the
     interval accounts for what the two share.
     """
+    (a, b), (pa, pb) = _paired(right_a, total_a, right_b, total_b, seed)
+    lo, hi = _bounds(a - b, confidence)
+    return (pa - pb, lo, hi)
+
+
+def paired_ratio(
+    right_a: Sequence[int],
+    total_a: Sequence[int],
+    right_b: Sequence[int],
+    total_b: Sequence[int],
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """A's pooled ratio over B's on the same problems (a method's fidelity as a share of
+    Full KV's, say), and its bootstrap interval, resampling problems as
+    :func:`paired_difference` does."""
+    (a, b), (pa, pb) = _paired(right_a, total_a, right_b, total_b, seed)
+    lo, hi = _bounds(a / np.where(b > 0, b, np.nan), confidence)
+    return (pa / pb if pb else float("nan"), lo, hi)
+
+
+def _paired(right_a, total_a, right_b, total_b, seed: int) -> tuple[tuple[np.ndarray, np.ndarray], tuple[float, float]]:
+    """Both sides' pooled ratios over the same bootstrap draws of problems, and on the whole sample."""
     ra, ta, rb, tb = (np.asarray(x, dtype=float) for x in (right_a, total_a, right_b, total_b))
     if not len(ra) == len(ta) == len(rb) == len(tb):
-        raise ValueError("paired_difference needs the same problems on both sides")
+        raise ValueError("a paired statistic needs the same problems on both sides")
     idx = np.random.default_rng(seed).integers(0, len(ra), size=(RESAMPLES, len(ra)))
 
     def ratio(r: np.ndarray, t: np.ndarray) -> np.ndarray:
         s = t[idx].sum(1)
         return r[idx].sum(1) / np.where(s > 0, s, 1)
 
-    lo, hi = _bounds(ratio(ra, ta) - ratio(rb, tb), confidence)
-    return (ratio_of_sums(ra, ta) - ratio_of_sums(rb, tb), lo, hi)
+    return (ratio(ra, ta), ratio(rb, tb)), (ratio_of_sums(ra, ta), ratio_of_sums(rb, tb))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvllm.eval.stats import bootstrap_ratio, paired_difference, ratio_of_sums, wilson
+from kvllm.eval.stats import bootstrap_ratio, paired_difference, paired_ratio, ratio_of_sums, wilson
 
 
 def test_wilson_matches_the_closed_form() -> None:
@@ -31,3 +31,15 @@ def test_paired_difference_of_identical_and_shifted_methods() -> None:
     assert diff == pytest.approx(0.1) and lo == pytest.approx(0.1) and hi == pytest.approx(0.1)
     with pytest.raises(ValueError, match="same problems"):
         paired_difference([1], [2], [1, 1], [2, 2])
+
+
+def test_paired_ratio_of_a_method_over_full_kv() -> None:
+    full, total = [10, 10, 10, 10], [10, 10, 10, 10]
+    assert paired_ratio(full, total, full, total) == (1.0, 1.0, 1.0)
+    # Half of Full KV's reads on every problem: the ratio is 0.5 whatever the draw.
+    assert paired_ratio([4, 4, 2, 2], total, [8, 8, 4, 4], total) == (0.5, 0.5, 0.5)
+    # A method that keeps one problem whole and loses the other: the interval spans both.
+    ratio, lo, hi = paired_ratio([10, 0] * 10, [10, 10] * 10, [10, 10] * 10, [10, 10] * 10)
+    assert ratio == 0.5 and lo < 0.5 < hi
+    with pytest.raises(ValueError, match="same problems"):
+        paired_ratio([1], [2], [1, 1], [2, 2])

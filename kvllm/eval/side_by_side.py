@@ -1,0 +1,161 @@
+"""Issue 22's side-by-side tables: model x family x method, from several ``kvllm eval`` folders.
+
+Each folder holds one model's cells (``kvllm eval --model ... --out FOLDER``); each of its
+families becomes a column, labelled ``model / family``. Three tables come out:
+
+- every method's generated-read fidelity at one retention, with memory held;
+- Kara minus each baseline on the same problems, at every retention (paired bootstrap);
+- issue 22's target (a) for Kara: its fidelity and recall as shares of Full KV's (paired
+  bootstrap), and the memory it held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvllm.eval.grid import FULL, CellResult, load_results
+from kvllm.eval.stats import bootstrap_ratio, paired_difference, paired_ratio
+
+#: Issue 22, target (a): at r=0.2, free or forced, Kara keeps this share of Full KV's
+#: generated-read fidelity and of its recall, holding at most this share of the KV.
+FIDELITY_SHARE, RECALL_SHARE, HELD = 0.98, 0.95, 0.30
+
+
+@dataclass(frozen=True)
+class Column:
+    """One model on one family: its cells by (method, retention)."""
+
+    label: str
+    cells: dict[tuple[str, float], CellResult]
+
+    def get(self, method: str, retention: float) -> CellResult | None:
+        return self.cells.get((method, 1.0 if method == FULL else retention))
+
+
+def columns(folders: Mapping[str, Path], mode: str, window: int = 128, buffer: int = 32) -> list[Column]:
+    """A column per (folder, family) of the cells run in ``mode`` at W=``window``, b=``buffer``."""
+    out = []
+    for label, folder in folders.items():
+        results = [
+            r
+            for r in load_results(Path(folder) / "results.jsonl").values()
+            if (r.mode, r.window, r.buffer) == (mode, window, buffer) and r.problems
+        ]
+        for family in sorted({r.family for r in results}, key=_family_order):
+            cells = {(r.method, r.retention): r for r in results if r.family == family}
+            out.append(Column(f"{label} / {family}", cells))
+    return out
+
+
+def _family_order(family: str) -> tuple[bool, str]:
+    return (family != "trace", family)  # the stress test first, then the realistic family
+
+
+def _reads(cell: CellResult) -> tuple[list[int], list[int]]:
+    return [p["right"]["generated"] for p in cell.problems], [p["reads"]["generated"] for p in cell.problems]
+
+
+def _recalls(cell: CellResult) -> tuple[list[int], list[int]] | None:
+    flags = [p["recall"] for p in cell.problems]
+    if any(f is None for f in flags):
+        return None
+    return [int(f) for f in flags], [1] * len(flags)
+
+
+def _paired(cell: CellResult, other: CellResult) -> bool:
+    return [p["uid"] for p in cell.problems] == [p["uid"] for p in other.problems]
+
+
+def _header(cols: Sequence[Column]) -> list[str]:
+    return ["| method | " + " | ".join(c.label for c in cols) + " |", "| --- |" + " ---: |" * len(cols)]
+
+
+def fidelity_table(cols: Sequence[Column], methods: Sequence[str], retention: float) -> list[str]:
+    """Generated-read fidelity [95% CI] (time-averaged memory held), a row per method
+    (Full KV first), a column per model and family; ``-`` where a cell was not run."""
+
+    def text(cell: CellResult | None) -> str:
+        if cell is None:
+            return "-"
+        lo, hi = bootstrap_ratio(*_reads(cell))
+        return f"{cell.fidelity_generated:.3f} [{lo:.3f}-{hi:.3f}] ({cell.held_mean:.2f})"
+
+    out = _header(cols)
+    for m in (FULL, *methods):
+        out.append(f"| {m} | " + " | ".join(text(c.get(m, retention)) for c in cols) + " |")
+    return out
+
+
+def difference_table(
+    cols: Sequence[Column], baselines: Sequence[str], retentions: Sequence[float], reference: str = "kara"
+) -> list[str]:
+    """``reference`` minus each baseline on the same problems [95% paired CI], a row per
+    (baseline, retention); ``above``/``below`` where the interval excludes 0."""
+
+    def text(col: Column, baseline: str, r: float) -> str:
+        ours, theirs = col.get(reference, r), col.get(baseline, r)
+        if ours is None or theirs is None or not _paired(ours, theirs):
+            return "-"
+        d, lo, hi = paired_difference(*_reads(ours), *_reads(theirs))
+        verdict = " above" if lo > 0 else " below" if hi < 0 else ""
+        return f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{verdict}"
+
+    out = [_header(cols)[0].replace("| method |", f"| {reference} minus | r |", 1)]
+    out.append("| --- | ---: |" + " ---: |" * len(cols))
+    for b in baselines:
+        for r in retentions:
+            texts = [text(c, b, r) for c in cols]
+            if any(t != "-" for t in texts):  # a retention no column ran is no row
+                out.append(f"| {b} | {r:g} | " + " | ".join(texts) + " |")
+    return out
+
+
+def target_table(cols: Sequence[Column], method: str = "kara", retention: float = 0.2) -> list[str]:
+    """Target (a) per column: ``method``'s generated-read fidelity and recall as shares of
+    Full KV's on the same problems [95% paired CI], the memory it held (time-averaged and
+    at the end), and whether each bar is met by the point estimate."""
+    out = [
+        "| model / family | fidelity share of Full KV's (>= 0.98) | recall share (>= 0.95) "
+        "| Full KV recall | held, mean / end (<= 0.30) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for col in cols:
+        ours, full = col.get(method, retention), col.get(FULL, 1.0)
+        if ours is None or full is None or not _paired(ours, full):
+            continue
+        share, lo, hi = paired_ratio(*_reads(ours), *_reads(full))
+        fidelity = f"{share:.3f} [{lo:.3f}-{hi:.3f}] {_met(share >= FIDELITY_SHARE)}"
+        recall, full_recall = "-", "-"
+        ours_r, full_r = _recalls(ours), _recalls(full)
+        if ours_r is not None and full_r is not None and sum(full_r[0]):
+            share, lo, hi = paired_ratio(*ours_r, *full_r)
+            recall = f"{share:.3f} [{lo:.3f}-{hi:.3f}] {_met(share >= RECALL_SHARE)}"
+            full_recall = f"{full.recall:.3f}"
+        held = f"{ours.held_mean:.2f} / {ours.held_end:.2f} {_met(ours.held_mean <= HELD)}"
+        out.append(f"| {col.label} | {fidelity} | {recall} | {full_recall} | {held} |")
+    return out
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def markdown(
+    cols: Sequence[Column],
+    methods: Sequence[str],
+    baselines: Sequence[str],
+    retentions: Sequence[float],
+    retention: float = 0.2,
+) -> str:
+    """The three tables with their titles."""
+    n = sorted({len(c.get(FULL, 1.0).problems) for c in cols if c.get(FULL, 1.0) is not None})
+    problems = "/".join(str(k) for k in n)
+    out = [f"**Generated-read fidelity at r={retention:g} [95% CI] (memory held), {problems} problems a cell**", ""]
+    out += fidelity_table(cols, methods, retention)
+    out += ["", "**Kara minus each baseline, same problems [95% paired CI]**", ""]
+    out += difference_table(cols, baselines, retentions)
+    out += ["", f"**Target (a) at r={retention:g}: Kara as a share of Full KV [95% paired CI]**", ""]
+    out += target_table(cols, retention=retention)
+    return "\n".join(out) + "\n"
