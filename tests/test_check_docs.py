@@ -29,6 +29,8 @@ def test_the_readme_matches_its_stored_results(capsys: pytest.CaptureFixture[str
     ("old", "new", "named", "stated", "recomputed"),
     [
         ("0.686-0.729", "0.686-0.730", "Kara at r=0.2", "0.730", "0.729"),
+        ("0.809-0.830", "0.809-0.831", "second testbed: Kara at r=0.2", "0.831", "0.830"),
+        ("paired intervals excluding 0,", "paired intervals excluding 1,", "reach 0", "1", "0"),
         (
             "serves 1.65x",
             "serves 1.68x",

@@ -241,6 +241,68 @@ ACCURACY = [
 ]
 
 HEADLINE = "docs/throughput/results.csv, docs/throughput/c128/results.jsonl"
+# Issue 22's second testbed: the second model on reason, reference-forced (docs/accuracy.md, "Side by side").
+REFERENCE = "docs/accuracy/reference/6l/results.jsonl"
+
+
+@cache
+def reference() -> dict[tuple[str, float], dict[str, Any]]:
+    """:func:`kvllm.eval.report.lookup_rows` of the second model's reason cells at W=128, b=32, by (method, r)."""
+    cells = [
+        r
+        for r in load_results(ROOT / REFERENCE).values()
+        if (r.family, r.mode, r.window, r.buffer) == ("reason", "reference-forced", *HEADLINE_WINDOW)
+    ]
+    return {(r["method"], r["retention"]): r for r in lookup_rows(cells)}
+
+
+def reference_fidelity(method: str, retention: float = 0.2) -> float:
+    return reference()[(method, retention)]["fidelity"]
+
+
+SECOND_TESTBED = [
+    Claim(
+        "second testbed: Full KV's forced generated-read fidelity",
+        "Forced, Full KV reads back {} of the generated values",
+        REFERENCE,
+        lambda: (reference_fidelity("full", 1.0),),
+    ),
+    Claim(
+        "second testbed: Kara at r=0.2, memory held, fidelity and CI, the four baselines",
+        "r=0.2 ({} of the generated tokens' KV held), Kara reads back {} [95% CI {}-{}]: above SnapKV {}, "
+        "AdaKV {}, ChunkKV {} and PyramidKV {} (holding {})",
+        REFERENCE,
+        lambda: (
+            reference()[("kara", 0.2)]["held_mean"],
+            reference_fidelity("kara"),
+            *reference()[("kara", 0.2)]["fidelity_ci"],
+            *(reference_fidelity(m) for m in ("snapkv", "adakv", "chunkkv", "pyramidkv")),
+            reference()[("pyramidkv", 0.2)]["held_mean"],
+        ),
+    ),
+    Claim(
+        # The README's "excluding 0" holds while no baseline's Kara-minus interval reaches 0: the count is 0.
+        "second testbed: how many of the four baselines' paired intervals reach 0",
+        "paired intervals excluding {}",
+        REFERENCE,
+        lambda: (
+            sum(reference()[(m, 0.2)]["vs_reference"][1] <= 0 for m in ("snapkv", "adakv", "chunkkv", "pyramidkv")),
+        ),
+    ),
+    Claim(
+        "second testbed: the ablations and the oracle at r=0.2",
+        "above its causal ablation {}, but below its top-m ablation {} and the oracle's {}",
+        REFERENCE,
+        lambda: (reference_fidelity("kara-causal"), reference_fidelity("kara-topk"), reference_fidelity("oracle")),
+    ),
+    Claim(
+        "second testbed: Kara's fidelity as a share of Full KV's",
+        "Kara keeps {} of Full KV's reads",
+        REFERENCE,
+        lambda: (reference_fidelity("kara") / reference_fidelity("full", 1.0),),
+    ),
+]
+
 THROUGHPUT = [
     Claim(
         "kara (vLLM's admission rule) over vanilla-default, mean over C=16-128, and at C=128",
@@ -359,7 +421,7 @@ SERVING = [
     ),
 ]
 
-CLAIMS = ACCURACY + THROUGHPUT + SERVING
+CLAIMS = ACCURACY + SECOND_TESTBED + THROUGHPUT + SERVING
 # The layout table's row for the methods, which must name every registered one.
 METHODS_ROW = "| `kvllm/methods/` |"
 
