@@ -123,15 +123,19 @@ def serve_ratio(folder: str, load: str, value: float, key: str) -> list[float]:
     return serve_cell(folder, load, value)[f"{key}_ratio"]
 
 
+def accuracy_rows(path: str, family: str) -> dict[tuple[str, str, float], dict[str, Any]]:
+    """:func:`kvllm.eval.report.lookup_rows` of a results file's ``family`` cells at the
+    headline W and b, by (method, mode, retention); their bootstrap intervals use the
+    report's seed."""
+    setting = (family, *HEADLINE_WINDOW)
+    cells = [r for r in load_results(ROOT / path).values() if (r.family, r.window, r.buffer) == setting]
+    return {(r["method"], r["mode"], r["retention"]): r for r in lookup_rows(cells)}
+
+
 @cache
 def lookup() -> dict[tuple[str, str, float], dict[str, Any]]:
-    """:func:`kvllm.eval.report.lookup_rows` of the headline setting's trace cells, by
-    (method, mode, retention); their bootstrap intervals use the report's seed."""
-    window, buffer = HEADLINE_WINDOW
-    cells = [
-        r for r in load_results(ROOT / LOOKUP).values() if (r.family, r.window, r.buffer) == ("trace", window, buffer)
-    ]
-    return {(r["method"], r["mode"], r["retention"]): r for r in lookup_rows(cells)}
+    """The headline setting's trace cells (:func:`accuracy_rows`)."""
+    return accuracy_rows(LOOKUP, "trace")
 
 
 def fidelity(method: str, mode: str = "teacher-forced", retention: float = 0.2) -> float:
@@ -247,13 +251,9 @@ REFERENCE = "docs/accuracy/reference/6l/results.jsonl"
 
 @cache
 def reference() -> dict[tuple[str, float], dict[str, Any]]:
-    """:func:`kvllm.eval.report.lookup_rows` of the second model's reason cells at W=128, b=32, by (method, r)."""
-    cells = [
-        r
-        for r in load_results(ROOT / REFERENCE).values()
-        if (r.family, r.mode, r.window, r.buffer) == ("reason", "reference-forced", *HEADLINE_WINDOW)
-    ]
-    return {(r["method"], r["retention"]): r for r in lookup_rows(cells)}
+    """The second model's reference-forced reason cells (:func:`accuracy_rows`), by (method, r)."""
+    rows = accuracy_rows(REFERENCE, "reason").items()
+    return {(m, r): row for (m, mode, r), row in rows if mode == "reference-forced"}
 
 
 def reference_fidelity(method: str, retention: float = 0.2) -> float:

@@ -39,7 +39,7 @@ FULL = "full"
 ORACLE = "oracle"
 BOUND = "bound"
 #: Selectors that read the forced sequence (kvllm.eval.oracle, kvllm.eval.bound): they
-#: run teacher-forced only, take no params, and are not in the method registry.
+#: run in forced cells only, take no params, and are not in the method registry.
 FORCED_ONLY = (ORACLE, BOUND)
 MODES = ("free", "teacher-forced", "reference-forced")
 FORCED_MODES = MODES[1:]
@@ -324,8 +324,8 @@ def run_grid(
     wanted = cells(methods, retentions, list(problems), mode)
     for m in (m for m in FORCED_ONLY if params and params.get(m)):
         raise ValueError(f"the {m} takes no params")
-    for method, retention, family, mode in wanted:
-        key = (method, retention, family, mode, base.window, base.buffer)
+    for method, retention, family, cell_mode in wanted:
+        key = (method, retention, family, cell_mode, base.window, base.buffer)
         config = None
         if method != FULL:
             # The oracle and the bound run under the same policy and rounds; only their selection differs.
@@ -335,19 +335,19 @@ def run_grid(
         if key in done:
             if done[key].params != _resolved(method, config):
                 raise ValueError(
-                    f"{out_dir / 'results.jsonl'} holds {method} r={retention} {family} {mode} run with params "
+                    f"{out_dir / 'results.jsonl'} holds {method} r={retention} {family} {cell_mode} run with params "
                     f"{done[key].params}, not {_resolved(method, config)}: use another output folder"
                 )
             if on_progress is not None:
                 on_progress("resumed", len(problems[family]) * samples)
             continue
         forced = None
-        if mode == "teacher-forced":
+        if cell_mode == "teacher-forced":
             full = done[(FULL, 1.0, family, "free", base.window, base.buffer)]
             forced = [r["ids"] for r in full.problems]
-        elif mode == "reference-forced":
+        elif cell_mode == "reference-forced":
             forced = [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems[family]]
-        name = f"{method} r={retention} {family} {mode}"
+        name = f"{method} r={retention} {family} {cell_mode}"
         start = time.perf_counter()
         records = run_accuracy_cell(
             model,
@@ -361,10 +361,10 @@ def run_grid(
             top_p=top_p,
             forced=forced,
             selector=method if method in FORCED_ONLY else None,
-            keep_ids=method == FULL and mode == "free",
+            keep_ids=method == FULL and cell_mode == "free",
             on_problem=None if on_progress is None else lambda k, name=name: on_progress(name, k),
         )
-        result = _summarise(method, retention, family, mode, config, base, records, time.perf_counter() - start)
+        result = _summarise(method, retention, family, cell_mode, config, base, records, time.perf_counter() - start)
         with path.open("a") as f:
             f.write(json.dumps(asdict(result)) + "\n")
         done[result.key] = result
