@@ -1,8 +1,9 @@
-"""The shipped model: loads offline, is what its card says, and still does what it learned.
+"""The shipped models: load offline, are what their cards say, and still do what they learned.
 
 Regression guards against a broken model file or tokenizer, with floors set below what
-the shipped model measured (its card and ``docs/accuracy.md``): it reads values back
-(teacher-forced), and it answers held-out prompt-needle tasks with Full KV.
+each model measured (its card and ``docs/accuracy.md``): the default model reads values
+back (teacher-forced) and answers held-out prompt-needle tasks with Full KV; the second
+model (issue 22) has another shape and reads back the reason family's own chains.
 """
 
 from __future__ import annotations
@@ -13,29 +14,47 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvllm.assets import DEFAULT_MODEL, model_path
+from kvllm.assets import DEFAULT_MODEL, model_path, shipped
 from kvllm.eval.grid import run_accuracy_cell
 from kvllm.eval.problems import task_problems
 from kvllm.eval.tasks import THINK, Difficulty, make_task
+
+SECOND_MODEL = "kara-reasoner-6l"
 
 # Short held-out programs keep the tests to seconds.
 EASY = Difficulty(constants=4, steps=10)
 LOOKUP_FLOOR = 0.85
 NEEDLE_FLOOR = 0.5
+# The second model reads 0.988 (reason) and 1.000 (trace) of 64 forced chains' values back.
+SECOND_READ_FLOOR = 0.95
 
 
-@pytest.fixture(scope="module")
-def shipped():
-    path = model_path()
+def _load(name: str):
+    path = model_path(name)
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32).eval()
     return model, tok
 
 
-def test_model_files_and_card() -> None:
-    path = model_path()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "training.json", "README.md"):
-        assert (path / name).stat().st_size > 0, name
+@pytest.fixture(scope="module")
+def default():
+    return _load(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def second():
+    return _load(SECOND_MODEL)
+
+
+def test_both_models_ship() -> None:
+    assert shipped() == (SECOND_MODEL, DEFAULT_MODEL)
+
+
+@pytest.mark.parametrize("name", [DEFAULT_MODEL, SECOND_MODEL])
+def test_model_files_and_card(name: str) -> None:
+    path = model_path(name)
+    for file in ("config.json", "model.safetensors", "tokenizer.json", "training.json", "README.md"):
+        assert (path / file).stat().st_size > 0, file
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]
     assert config["num_key_value_heads"] < config["num_attention_heads"]  # GQA
@@ -43,7 +62,22 @@ def test_model_files_and_card() -> None:
     # vLLM's CPU attention needs a head dim that is a multiple of 32.
     assert config["head_dim"] % 32 == 0
     card = (path / "README.md").read_text()
+    assert card.startswith(f"# {name}\n")
     assert "python tools/train_reasoner.py" in card and "exact match" in card
+
+
+def test_second_model_has_issue_22s_other_shape() -> None:
+    """At least 6 layers, head_dim >= 64, another GQA ratio, >= 4,096 positions, under 20 MB."""
+    first, second = (json.loads((model_path(n) / "config.json").read_text()) for n in (DEFAULT_MODEL, SECOND_MODEL))
+    assert second["num_hidden_layers"] >= 6 > first["num_hidden_layers"]
+    assert second["head_dim"] >= 64 > first["head_dim"]
+
+    def ratio(config: dict) -> float:
+        return config["num_attention_heads"] / config["num_key_value_heads"]
+
+    assert ratio(second) != ratio(first)
+    assert second["max_position_embeddings"] >= 4096
+    assert (model_path(SECOND_MODEL) / "model.safetensors").stat().st_size < 20e6
 
 
 def test_missing_model_is_a_clear_error() -> None:
@@ -52,9 +86,10 @@ def test_missing_model_is_a_clear_error() -> None:
     assert model_path(DEFAULT_MODEL) == model_path()
 
 
-def test_tokenizer_round_trip_and_chat_template(shipped) -> None:
-    _, tok = shipped
-    task = make_task("trace", 0, EASY)
+@pytest.mark.parametrize("fixture", ["default", "second"])
+def test_tokenizer_round_trip_and_chat_template(fixture: str, request: pytest.FixtureRequest) -> None:
+    _, tok = request.getfixturevalue(fixture)
+    task = make_task("reason" if fixture == "second" else "trace", 0, EASY)
     assert tok.decode(tok(task.text)["input_ids"]) == task.text
     # A name is one token and each digit another, so a value is found by its name.
     assert tok.convert_ids_to_tokens(tok(" bo41")["input_ids"]) == ["Ġbo", "4", "1"]
@@ -62,13 +97,13 @@ def test_tokenizer_round_trip_and_chat_template(shipped) -> None:
     assert chat.endswith(THINK)
 
 
-def test_reads_operand_values_back(shipped) -> None:
+def test_reads_operand_values_back(default) -> None:
     """Teacher-forced: the digits of every operand value in the chain of thought.
 
     An operand value (``= bo41 +``) is a digit pair after a name and before an operator
     or ``=``; a result (``= ce54``) ends its line and is arithmetic, not a lookup.
     """
-    model, tok = shipped
+    model, tok = default
     ops = set(tok.convert_tokens_to_ids(["Ġ+", "Ġ-", "Ġ="]))
     right = total = 0
     for seed in range(6):
@@ -86,8 +121,25 @@ def test_reads_operand_values_back(shipped) -> None:
     assert right / total >= LOOKUP_FLOOR
 
 
-def test_full_kv_prompt_needle_floor(shipped) -> None:
-    model, tok = shipped
+def test_full_kv_prompt_needle_floor(default) -> None:
+    model, tok = default
     problems = task_problems("prompt-needle", 8, EASY, tok)
     correct = [r["correct"] for r in run_accuracy_cell(model, tok, problems, None, batch_size=8)]
     assert sum(correct) / len(correct) >= NEEDLE_FLOOR, correct
+
+
+@pytest.mark.parametrize("family", ["reason", "trace"])
+def test_second_model_reads_the_tasks_own_chains_back(second, family: str) -> None:
+    """Reference-forced, Full KV: the model's argmax at each generated read spells its value.
+
+    The second model cannot write these chains (its card), so it is graded, as in the
+    grid of ``docs/accuracy.md``, on the tasks' own chains forced through its cache.
+    """
+    model, tok = second
+    steps = 24
+    problems = task_problems(family, 4, Difficulty(constants=6, steps=steps), tok)
+    forced = [tok(p.reference, add_special_tokens=False)["input_ids"] for p in problems]
+    records = run_accuracy_cell(model, tok, problems, None, batch_size=4, forced=forced)
+    reads = sum(r["reads"]["generated"] for r in records)
+    assert reads >= 2 * 4 * steps // 3  # a third of the operands, at least, are values the chain wrote
+    assert sum(r["right"]["generated"] for r in records) / reads >= SECOND_READ_FLOOR

@@ -35,6 +35,8 @@ def test_a_model_is_a_directory_or_a_shipped_name(tiny: Path, tmp_path: Path, mo
 
     assert DEFAULT_MODEL in shipped()
     assert model_path(None) == model_path(Path(DEFAULT_MODEL)) == shipped_path()
+    # Issue 22's second model, by name as `kvllm eval --model kara-reasoner-6l` gives it.
+    assert model_path(Path("kara-reasoner-6l")) == shipped_path("kara-reasoner-6l") != shipped_path()
     assert model_path(tiny) == tiny
     # A local directory of a shipped model's name is the one meant.
     local = tmp_path / DEFAULT_MODEL
@@ -44,7 +46,7 @@ def test_a_model_is_a_directory_or_a_shipped_name(tiny: Path, tmp_path: Path, mo
     bad = runner.invoke(app, ["generate", "--model", "nope", "--task", "trace"])
     said = " ".join(bad.output.replace("│", " ").split())  # the error box wraps the message
     assert bad.exit_code != 0 and "--model nope is not a model directory or a shipped model" in said
-    assert DEFAULT_MODEL in said
+    assert DEFAULT_MODEL in said and "kara-reasoner-6l" in said
 
 
 def test_generate_grades_held_out_tasks(tiny: Path) -> None:

@@ -12,7 +12,7 @@ held, and its paired difference to the method's default on the same problems.
 
     python tools/dev_sweep.py --out /tmp/dev-sweep --n 64 --retention 0.2 [--methods kara-vpool,...]
     python tools/dev_sweep.py --out /tmp/sweep-6l --n 32 --family reason --mode reference-forced \
-        --variants second-model --model docs/training-attempts/second-model-session11/checkpoint
+        --variants second-model --model kara-reasoner-6l
 
 Development seeds (100000 on) never overlap the reported test seeds (0 on), so what this
 chooses is reported on problems it never saw.

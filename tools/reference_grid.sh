@@ -3,21 +3,22 @@
 # --reference-forced: each task's own chain of thought forced through every cache), every
 # method at its reference defaults, on the held-out test seeds 0-63. Resumable: rerun to
 # continue where it stopped; a rerun on the stored cells runs none.
-#   tools/reference_grid.sh [OUT] [STAGE...]   stages: r02 tuned reason trace (default: all, in that order)
-# Models: tiny = the shipped kara-reasoner-tiny (4 layers, head_dim 32, 6/2 heads); 6l =
-# session 11's stage-3 checkpoint of issue 22's second model (6 layers, head_dim 64, 8/2
-# heads; docs/training-attempts.md). The tiny model was never trained on reason: its
-# reason cell is Full KV alone, to show it (docs/accuracy.md, part 0).
+#   tools/reference_grid.sh [OUT] [STAGE...]   stages: r02 tuned reason trace frontier (default: all, in that order)
+# Models, both shipped: tiny = kara-reasoner-tiny (4 layers, head_dim 32, 6/2 heads); 6l =
+# kara-reasoner-6l, issue 22's second model (6 layers, head_dim 64, 8/2 heads; its card).
+# The tiny model was never trained on reason: its reason cell is Full KV alone, to show it
+# (docs/accuracy.md, part 0).
 set -euo pipefail
 OUT=${1:-docs/accuracy/reference}
 shift || true
-STAGES=${*:-r02 tuned reason trace}
+STAGES=${*:-r02 tuned reason trace frontier}
 KV=${KV:-.venv/bin/kvllm}
-SIXL=docs/training-attempts/second-model-session11/checkpoint
+SIXL=kara-reasoner-6l
 METHODS=kara,kara-causal,kara-topk,snapkv,pyramidkv,adakv,chunkkv,h2o,streamingllm,rkv,kara-vpool,noncausal-attn
 # At the other retentions: Kara, its two ablations and the paper's four baselines (claims
 # (b) and (c)); the oracle only at r=0.2, where its Full-KV pass took 7 minutes on reason.
 CLAIMS=kara,kara-causal,kara-topk,snapkv,pyramidkv,adakv,chunkkv
+FRONTIER=kara,kara-topk,snapkv,pyramidkv,adakv,chunkkv
 # The second model's development sweep (docs/accuracy/reference/6l-dev-sweep.md: tools/dev_sweep.py
 # --variants second-model, 32 development seeds, r=0.2), each method's best non-modal variant.
 TUNED="--param kara:max_gap=4 --param snapkv:obs_window=64 --param chunkkv:chunk_size=2 --param chunkkv:obs_window=96
@@ -39,13 +40,22 @@ for stage in $STAGES; do
       run kara-reasoner-tiny tiny "${REASON[@]}" -- --method kara --retention 1.0 ;;
     tuned)  # tools/dev_sweep.py's choices on the second model's development seeds (docs/accuracy.md)
       "$KV" eval --model "$SIXL" --out "$OUT/6l-tuned" --n 64 --batch-size 8 --reference-forced "${REASON[@]}" \
-        --method kara,snapkv,pyramidkv,adakv,chunkkv --retention 0.2 $TUNED ;;
+        --method kara,snapkv,pyramidkv,adakv,chunkkv --retention 0.2,0.05,0.1,0.3,0.5 $TUNED ;;
     reason)  # the realistic family at the other retentions, the lower first
       for r in 0.1,0.3 0.05,0.5; do run "$SIXL" 6l "${REASON[@]}" -- --method "$CLAIMS" --retention $r; done ;;
     trace)
       for r in 0.1,0.3 0.05,0.5; do
         run "$SIXL" 6l "${TRACE[@]}" -- --method "$CLAIMS" --retention $r
         run kara-reasoner-tiny tiny "${TRACE[@]}" -- --method "$CLAIMS" --retention $r
+      done ;;
+    frontier)  # the second model over W/b (the accuracy-memory frontier), reason first; no oracle
+      # (7 minutes a cell on reason), and kara-causal only at W=128, b=32 (claim (c))
+      for fam in REASON TRACE; do
+        for wb in "64 16" "256 64"; do
+          read -r w b <<<"$wb"
+          if [[ $fam == REASON ]]; then flags=("${REASON[@]}"); else flags=("${TRACE[@]}"); fi
+          run "$SIXL" 6l "${flags[@]}" -- --window "$w" --buffer "$b" --method "$FRONTIER" --retention 0.05,0.2,0.5
+        done
       done ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

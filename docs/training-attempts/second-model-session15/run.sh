@@ -10,6 +10,6 @@ cd /work/main
 SHAPE="--hidden 192 --layers 6 --heads 8 --kv-heads 2 --head-dim 64"
 mkdir -p /tmp/r6
 .venv/bin/python tools/train_reasoner.py --out /tmp/r6/stage6 --op shift \
-    --init-from docs/training-attempts/second-model-session11/checkpoint --minutes 60 \
+    --init-from kvllm/assets/kara-reasoner-6l --minutes 60 \
     --lr 2e-3 --floor-until 0.02 --drill 0.3 --save-every 10 --log-every 60 \
     $SHAPE --families trace,gen-needle,prompt-needle,reason --top-steps 84 --batch-tokens 4096 > /tmp/r6/stage6.log 2>&1
