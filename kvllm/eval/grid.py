@@ -89,6 +89,10 @@ class CellResult:
     def key(self) -> tuple[str, float, str, str, int, int]:
         return (self.method, self.retention, self.family, self.mode, self.window, self.buffer)
 
+    def read_counts(self, source: str = "generated") -> tuple[list[int], list[int]]:
+        """Per problem, the reads of ``source`` (generated or prompt) graded right, and all of them."""
+        return [p["right"][source] for p in self.problems], [p["reads"][source] for p in self.problems]
+
 
 def cells(
     methods: Sequence[str], retentions: Sequence[float], families: Sequence[str], mode: str = "free"
@@ -205,8 +209,9 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
     from kvllm.eval import lookup
 
     if predictions is not None:
-        t = lookup.forced_tally(tokenizer, problem.prompt, ids, predictions[row], window)
-        recall = lookup.forced_recall(tokenizer, problem.prompt, problem.family, ids, predictions[row])
+        decoded, owner = lookup.char_to_token(tokenizer, ids)
+        t = lookup.forced_tally(tokenizer, problem.prompt, decoded, owner, predictions[row], window)
+        recall = lookup.forced_recall(tokenizer, problem.prompt, problem.family, decoded, owner, predictions[row])
     else:
         recall = _recall(problem, text)
         _, owner = lookup.char_to_token(tokenizer, ids)

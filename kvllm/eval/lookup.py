@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvllm.eval.tasks import END_THINK, HEDGES, extract_answer
+from kvllm.eval.tasks import END_THINK, HEDGES, answer_span, extract_answer
 
 # `ce = bo + ku = bo41 + ku13 = ce54` (or a shift, `:`): the statement, its two reads, its result.
 STATEMENT = re.compile(r"^ ?(\w+) = (\w+) ([-+:]) (\w+) = ([a-z]+)(\d{2}) ([-+:]) ([a-z]+)(\d{2}) = ([a-z]+)(\d{2})$")
@@ -47,7 +47,6 @@ HEDGE = re.compile("^ ?(" + "|".join(re.escape(h) for h in HEDGES) + ")$")
 _HEADER = re.compile(r"report (\w+)\.")
 _CONSTANT = re.compile(r"^ ?([a-z]+)(\d{2})$")
 _KEY = re.compile(r"^ ?key = \d{2} [-+:] \d{2} = key(\d{2})$")
-_ANSWER_DIGITS = re.compile(r"\d+")
 #: Distance buckets, as (label, low, high) in multiples of W: [low * W, high * W).
 BUCKETS: tuple[tuple[str, float, float], ...] = (
     ("<W", 0, 1),
@@ -293,12 +292,14 @@ def char_to_token(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
     return text, owner
 
 
-def forced_tally(tokenizer, prompt: str, forced: Sequence[int], predictions: Sequence[int], window: int) -> LookupTally:
+def forced_tally(
+    tokenizer, prompt: str, text: str, owner: Sequence[int], predictions: Sequence[int], window: int
+) -> LookupTally:
     """Teacher-forced lookup fidelity: a read of the forced completion is right when the
     model's argmax at its digit tokens spells the value last written for its name. The
     floor and the modal result share are the forced text's, so every method is graded on
-    the same non-modal reads."""
-    text, owner = char_to_token(tokenizer, forced)
+    the same non-modal reads. ``text`` and ``owner`` are the forced ids' :func:`char_to_token`,
+    decoded once for this and :func:`forced_recall`."""
     prompt_ids = tokenizer(prompt)["input_ids"]
     _, prompt_owner = char_to_token(tokenizer, prompt_ids)
     graded = []
@@ -310,24 +311,23 @@ def forced_tally(tokenizer, prompt: str, forced: Sequence[int], predictions: Seq
 
 
 def forced_recall(
-    tokenizer, prompt: str, family: str, forced: Sequence[int], predictions: Sequence[int]
+    tokenizer, prompt: str, family: str, text: str, owner: Sequence[int], predictions: Sequence[int]
 ) -> bool | None:
     """Forced self-recall (gen-needle) or answer recall (reason): the model's argmax at the
     forced answer's digits spells the value the forced chain wrote for ``key`` or for the
     asked variable; ``None`` for the other families. (The forced text's own answer says
-    nothing of the cache it was forced through.)"""
+    nothing of the cache it was forced through.) ``text`` and ``owner`` are as for
+    :func:`forced_tally`."""
     if family not in ("gen-needle", "reason"):
         return None
-    text, owner = char_to_token(tokenizer, forced)
     if family == "reason":
         source = answer_source(prompt, text)
         expected = None if source is None else text[source : source + 2]
     else:
         key = next((m for line in text.split("\n") if (m := _KEY.match(line))), None)
         expected = None if key is None else key.group(1)
-    end = text.rfind(END_THINK)
-    answer = _ANSWER_DIGITS.search(text, end + len(END_THINK)) if end >= 0 else None
+    answer = answer_span(text)
     if expected is None or answer is None:
         return False
-    digits = sorted({owner[i] for i in range(answer.start(), answer.end())})
+    digits = sorted({owner[i] for i in range(*answer)})
     return tokenizer.decode([predictions[i] for i in digits], skip_special_tokens=True).strip() == expected

@@ -99,16 +99,12 @@ def accuracy_rich(results: Sequence[CellResult]) -> Table:
     return out
 
 
-def _reads(cell: CellResult, source: str = "generated") -> tuple[list[int], list[int]]:
-    return [p["right"][source] for p in cell.problems], [p["reads"][source] for p in cell.problems]
-
-
 def _nonmodal_reads(cell: CellResult) -> tuple[list[int], list[int]] | None:
     """Per problem, right and all generated reads off the chain's modal value; ``None`` for
     cells recorded before the floor was counted."""
     if not all("modal_reads" in p for p in cell.problems):
         return None
-    right, total = _reads(cell)
+    right, total = cell.read_counts()
     return (
         [r - p["modal_right"] for r, p in zip(right, cell.problems, strict=True)],
         [t - p["modal_reads"] for t, p in zip(total, cell.problems, strict=True)],
@@ -126,7 +122,7 @@ def lookup_rows(results: Sequence[CellResult], reference: str = "kara") -> list[
     by_key = {r.key: r for r in results}
     rows = []
     for cell in sorted((r for r in results if r.problems), key=lambda r: r.key):
-        right, total = _reads(cell)
+        right, total = cell.read_counts()
         if not sum(total):
             continue
         row = {
@@ -167,7 +163,7 @@ def lookup_rows(results: Sequence[CellResult], reference: str = "kara") -> list[
             and ref is not cell
             and [p["uid"] for p in ref.problems] == [p["uid"] for p in cell.problems]
         ):
-            row["vs_reference"] = paired_difference(*_reads(ref), right, total)
+            row["vs_reference"] = paired_difference(*ref.read_counts(), right, total)
             ref_nonmodal = _nonmodal_reads(ref)
             if nonmodal is not None and ref_nonmodal is not None and sum(nonmodal[1]):
                 row["vs_reference_nonmodal"] = paired_difference(*ref_nonmodal, *nonmodal)

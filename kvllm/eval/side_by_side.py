@@ -53,10 +53,6 @@ def _family_order(family: str) -> tuple[bool, str]:
     return (family != "trace", family)  # the stress test first, then the realistic family
 
 
-def _reads(cell: CellResult) -> tuple[list[int], list[int]]:
-    return [p["right"]["generated"] for p in cell.problems], [p["reads"]["generated"] for p in cell.problems]
-
-
 def _recalls(cell: CellResult) -> tuple[list[int], list[int]] | None:
     flags = [p["recall"] for p in cell.problems]
     if any(f is None for f in flags):
@@ -79,7 +75,7 @@ def fidelity_table(cols: Sequence[Column], methods: Sequence[str], retention: fl
     def text(cell: CellResult | None) -> str:
         if cell is None:
             return "-"
-        lo, hi = bootstrap_ratio(*_reads(cell))
+        lo, hi = bootstrap_ratio(*cell.read_counts())
         return f"{cell.fidelity_generated:.3f} [{lo:.3f}-{hi:.3f}] ({cell.held_mean:.2f})"
 
     out = _header(cols)
@@ -98,7 +94,7 @@ def difference_table(
         ours, theirs = col.get(reference, r), col.get(baseline, r)
         if ours is None or theirs is None or not _paired(ours, theirs):
             return "-"
-        d, lo, hi = paired_difference(*_reads(ours), *_reads(theirs))
+        d, lo, hi = paired_difference(*ours.read_counts(), *theirs.read_counts())
         verdict = " above" if lo > 0 else " below" if hi < 0 else ""
         return f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{verdict}"
 
@@ -125,7 +121,7 @@ def target_table(cols: Sequence[Column], method: str = "kara", retention: float 
         ours, full = col.get(method, retention), col.get(FULL, 1.0)
         if ours is None or full is None or not _paired(ours, full):
             continue
-        share, lo, hi = paired_ratio(*_reads(ours), *_reads(full))
+        share, lo, hi = paired_ratio(*ours.read_counts(), *full.read_counts())
         fidelity = f"{share:.3f} [{lo:.3f}-{hi:.3f}] {_met(share >= FIDELITY_SHARE)}"
         recall, full_recall = "-", "-"
         ours_r, full_r = _recalls(ours), _recalls(full)

@@ -319,13 +319,17 @@ def _assemble(family: str, seed: int, prompt: list[str], cot: list[str], ask: st
 _ANSWER = re.compile(r"\d+")
 
 
+def answer_span(completion: str) -> tuple[int, int] | None:
+    """Where the first number after the last ``</think>`` is, if any: (start, end)."""
+    end = completion.rfind(END_THINK)
+    match = _ANSWER.search(completion, end + len(END_THINK)) if end >= 0 else None
+    return match.span() if match else None
+
+
 def extract_answer(completion: str) -> str | None:
     """The first number after the last ``</think>``, if any."""
-    _, sep, tail = completion.rpartition(END_THINK)
-    if not sep:
-        return None
-    match = _ANSWER.search(tail)
-    return match.group(0) if match else None
+    span = answer_span(completion)
+    return completion[slice(*span)] if span else None
 
 
 def grade(task: Task, completion: str) -> bool:

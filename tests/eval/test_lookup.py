@@ -203,7 +203,7 @@ def test_forced_tally_buckets_the_argmax_reads_by_distance() -> None:
     assert tokenizer.decode(forced[97:100]) == " to00"
     predictions[99] = tokenizer(" 1")["input_ids"][-1]
     assert tokenizer.decode(predictions[98:100]) == "01"
-    t = forced_tally(tokenizer, task.prompt, forced, predictions, 32)
+    t = forced_tally(tokenizer, task.prompt, *char_to_token(tokenizer, forced), predictions, 32)
     # Generated reads at 10, 14, 10, 82, 14 tokens: four under W = 32, one in [2W, 4W).
     assert t.reads == {"prompt": 7, "generated": 5} and t.right == {"prompt": 7, "generated": 4}
     assert t.bucket_reads == {"<W": 4, "W-2W": 0, "2W-4W": 1, ">4W": 0}
@@ -221,18 +221,19 @@ def test_forced_recall_grades_the_argmax_at_the_answers_digits(family: str) -> N
     d = REASON_DIFFICULTY if family == "reason" else Difficulty(constants=4, steps=6)
     task = make_task(family, 7, d)
     forced = tokenizer(task.target, add_special_tokens=False)["input_ids"]
+    decoded = char_to_token(tokenizer, forced)
     # A perfect predictor's argmax is each forced token.
-    assert forced_recall(tokenizer, task.prompt, family, forced, forced) is True
+    assert forced_recall(tokenizer, task.prompt, family, *decoded, forced) is True
     # The answer is the last two digits of the text: change the prediction of the last digit.
     assert tokenizer.decode(forced[-1:]).strip() == task.answer[-1]
     wrong = str((int(task.answer[-1]) + 1) % 10)
     predictions = [*forced[:-1], tokenizer(f" {wrong}", add_special_tokens=False)["input_ids"][-1]]
     assert tokenizer.decode(predictions[-1:]).strip() == wrong
-    assert forced_recall(tokenizer, task.prompt, family, forced, predictions) is False
+    assert forced_recall(tokenizer, task.prompt, family, *decoded, predictions) is False
     # Predictions elsewhere do not count.
     elsewhere = [*predictions[:-3], *forced[-3:]]
     elsewhere[3] = elsewhere[5]
-    assert forced_recall(tokenizer, task.prompt, family, forced, elsewhere) is True
+    assert forced_recall(tokenizer, task.prompt, family, *decoded, elsewhere) is True
 
 
 def test_forced_recall_is_none_for_families_without_a_recall() -> None:
@@ -243,7 +244,7 @@ def test_forced_recall_is_none_for_families_without_a_recall() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path())
     task = make_task("trace", 3, Difficulty(constants=4, steps=6))
     forced = tokenizer(task.target, add_special_tokens=False)["input_ids"]
-    assert forced_recall(tokenizer, task.prompt, "trace", forced, forced) is None
+    assert forced_recall(tokenizer, task.prompt, "trace", *char_to_token(tokenizer, forced), forced) is None
 
 
 @pytest.mark.parametrize(("distance", "label"), [(0, "<W"), (31, "<W"), (32, "W-2W"), (127, "2W-4W"), (128, ">4W")])
@@ -348,7 +349,7 @@ def test_a_constant_writer_scores_the_floor_and_nothing_off_it() -> None:
     forced = tokenizer(MODAL)["input_ids"]
     predictions = tokenizer(constant)["input_ids"]
     assert len(predictions) == len(forced)
-    f = forced_tally(tokenizer, MODAL_PROMPT, forced, predictions, window=32)
+    f = forced_tally(tokenizer, MODAL_PROMPT, *char_to_token(tokenizer, forced), predictions, window=32)
     assert (f.modal_reads, f.modal_right) == (4, 4)  # the forced text's floor, not the predictions'
     assert f.reads["generated"] - f.modal_reads == 3 and f.right["generated"] - f.modal_right == 0
 

@@ -15,6 +15,7 @@ from kvllm.eval.tasks import (
     THINK,
     Difficulty,
     ReasonStyle,
+    answer_span,
     extract_answer,
     grade,
     make_task,
@@ -117,11 +118,13 @@ def test_needles() -> None:
 
 
 def test_extract_answer() -> None:
-    assert extract_answer(f"a\n{END_THINK}\n ce 54") == "54"
+    text = f"a\n{END_THINK}\n ce 54"
+    assert answer_span(text) == (len(text) - 2, len(text))
+    assert extract_answer(text) == "54"
     assert extract_answer(f"a\n{END_THINK}\n ce = 54") == "54"
     assert extract_answer(f"{END_THINK} x = 1 {END_THINK} y = 2") == "2"
-    assert extract_answer("ce 54") is None
-    assert extract_answer(f"{END_THINK} ce") is None
+    assert extract_answer("ce 54") is None is answer_span("ce 54")
+    assert extract_answer(f"{END_THINK} ce") is None is answer_span(f"{END_THINK} ce")
 
 
 def test_bad_difficulty() -> None:
