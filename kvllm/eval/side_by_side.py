@@ -1,10 +1,11 @@
 """Issue 22's side-by-side tables: model x family x method, from several ``kvllm eval`` folders.
 
 Each folder holds one model's cells (``kvllm eval --model ... --out FOLDER``); each of its
-families becomes a column, labelled ``model / family``. Three tables come out:
+families becomes a column, labelled ``model / family``. Four tables come out:
 
 - every method's generated-read fidelity at one retention, with memory held;
 - Kara minus each baseline on the same problems, at every retention (paired bootstrap);
+- the same at equal memory: against the baseline's best cell that holds no more (claim (b));
 - issue 22's target (a) for Kara: its fidelity and recall as shares of Full KV's (paired
   bootstrap), and the memory it held.
 """
@@ -21,6 +22,10 @@ from kvllm.eval.stats import bootstrap_ratio, paired_difference, paired_ratio
 #: Issue 22, target (a): at r=0.2, free or forced, Kara keeps this share of Full KV's
 #: generated-read fidelity and of its recall, holding at most this share of the KV.
 FIDELITY_SHARE, RECALL_SHARE, HELD = 0.98, 0.95, 0.30
+#: Equal memory, for claim (b): a baseline cell holding at most this much more of the
+#: generated KV (time-averaged) than Kara's counts as equal. Methods on the same periodic
+#: policy and budget hold the same to within 0.005 in the stored grid.
+MEMORY_SLACK = 0.01
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,45 @@ def difference_table(
     return out
 
 
+def equal_memory_table(
+    cols: Sequence[Column],
+    baselines: Sequence[str],
+    retentions: Sequence[float],
+    reference: str = "kara",
+    slack: float = MEMORY_SLACK,
+) -> list[str]:
+    """``reference`` minus each baseline **at equal memory** [95% paired CI]: per
+    ``reference`` cell, the baseline's best cell (by fidelity, at any retention) that holds
+    no more of the generated KV than it, within ``slack``; its r and memory held in
+    brackets. Choosing the baseline's best favours the baseline, so ``above`` is the
+    conservative verdict. ``-`` where every baseline cell holds more."""
+
+    def text(col: Column, baseline: str, r: float) -> str:
+        ours = col.get(reference, r)
+        if ours is None:
+            return "-"
+        fits = [
+            c
+            for (m, _), c in col.cells.items()
+            if m == baseline and c.held_mean <= ours.held_mean + slack and _paired(ours, c)
+        ]
+        if not fits:
+            return "-"
+        theirs = max(fits, key=lambda c: c.fidelity_generated)
+        d, lo, hi = paired_difference(*ours.read_counts(), *theirs.read_counts())
+        verdict = " above" if lo > 0 else " below" if hi < 0 else ""
+        return f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{verdict} (r={theirs.retention:g}, {theirs.held_mean:.2f})"
+
+    out = [_header(cols)[0].replace("| method |", f"| {reference} minus | {reference}'s r |", 1)]
+    out.append("| --- | ---: |" + " ---: |" * len(cols))
+    for b in baselines:
+        for r in retentions:
+            texts = [text(c, b, r) for c in cols]
+            if any(t != "-" for t in texts):
+                out.append(f"| {b} | {r:g} | " + " | ".join(texts) + " |")
+    return out
+
+
 def target_table(cols: Sequence[Column], method: str = "kara", retention: float = 0.2) -> list[str]:
     """Target (a) per column: ``method``'s generated-read fidelity and recall as shares of
     Full KV's on the same problems [95% paired CI], the memory it held (time-averaged and
@@ -145,13 +189,15 @@ def markdown(
     retentions: Sequence[float],
     retention: float = 0.2,
 ) -> str:
-    """The three tables with their titles."""
+    """The four tables with their titles."""
     n = sorted({len(c.get(FULL, 1.0).problems) for c in cols if c.get(FULL, 1.0) is not None})
     problems = "/".join(str(k) for k in n)
     out = [f"**Generated-read fidelity at r={retention:g} [95% CI] (memory held), {problems} problems a cell**", ""]
     out += fidelity_table(cols, methods, retention)
     out += ["", "**Kara minus each baseline, same problems [95% paired CI]**", ""]
     out += difference_table(cols, baselines, retentions)
+    out += ["", "**Kara minus each baseline at equal memory: its best cell holding no more [95% paired CI]**", ""]
+    out += equal_memory_table(cols, baselines, retentions)
     out += ["", f"**Target (a) at r={retention:g}: Kara as a share of Full KV [95% paired CI]**", ""]
     out += target_table(cols, retention=retention)
     return "\n".join(out) + "\n"

@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvllm.eval.grid import FULL, CellResult
-from kvllm.eval.side_by_side import columns, difference_table, markdown, target_table
+from kvllm.eval.side_by_side import columns, difference_table, equal_memory_table, markdown, target_table
 
 MODE = "reference-forced"
 
@@ -66,3 +66,28 @@ def test_cells_of_another_mode_or_window_are_left_out(tmp_path: Path) -> None:
     wide = CellResult(**{**asdict(_cell("kara", 0.2, "trace", [1] * 4, None, 0.5)), "window": 256})
     folder = _folder(tmp_path / "tiny", [free, wide])
     assert columns({"tiny": folder}, MODE) == []
+
+
+def test_equal_memory_pairs_kara_with_the_baselines_best_cell_that_holds_no_more(tmp_path: Path) -> None:
+    """PyramidKV holds more at each r: at Kara's r=0.2 memory (0.35) its r=0.1 cell (0.34)
+    is the one that fits, though its r=0.2 cell reads more; nothing of it fits Kara's r=0.05."""
+    cells = [
+        _cell(FULL, 1.0, "reason", [10] * 4, None, 1.0),
+        _cell("kara", 0.05, "reason", [4] * 4, None, 0.22),
+        _cell("kara", 0.2, "reason", [8] * 4, None, 0.35),
+        _cell("pyramidkv", 0.05, "reason", [5] * 4, None, 0.25),
+        _cell("pyramidkv", 0.1, "reason", [6] * 4, None, 0.34),
+        _cell("pyramidkv", 0.2, "reason", [9] * 4, None, 0.51),
+        _cell("snapkv", 0.05, "reason", [3] * 4, None, 0.225),  # within the slack of 0.22
+        _cell("snapkv", 0.2, "reason", [7] * 4, None, 0.35),
+    ]
+    cols = columns({"6l": _folder(tmp_path / "6l", cells)}, MODE)
+    table = equal_memory_table(cols, ["pyramidkv", "snapkv"], [0.05, 0.2])
+    assert table[0] == "| kara minus | kara's r | 6l / reason |"
+    assert table[2:] == [
+        "| pyramidkv | 0.2 | +0.200 [+0.200, +0.200] above (r=0.1, 0.34) |",
+        "| snapkv | 0.05 | +0.100 [+0.100, +0.100] above (r=0.05, 0.23) |",
+        "| snapkv | 0.2 | +0.100 [+0.100, +0.100] above (r=0.2, 0.35) |",
+    ]
+    # Against the same-r table, PyramidKV at r=0.2 would put Kara below.
+    assert "below" in difference_table(cols, ["pyramidkv"], [0.2])[2]
