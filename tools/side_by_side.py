@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvllm.eval.side_by_side import columns, markdown
+from kvllm.eval.side_by_side import columns, equal_memory_table, markdown
 
 # The grid's methods (tools/reference_grid.sh), Kara and its ablations first.
 METHODS = (
@@ -32,6 +32,9 @@ METHODS = (
 # Claim (b)'s baselines, then (c)'s ablations.
 BASELINES = ("snapkv", "pyramidkv", "adakv", "chunkkv", "kara-causal", "kara-topk")
 RETENTIONS = (0.05, 0.1, 0.2, 0.3, 0.5)
+# The frontier's other W/b points (tools/reference_grid.sh's frontier stage): equal-memory
+# tables of their own, since each W/b point holds a different memory at the same r.
+FRONTIER = ((64, 16), (256, 64))
 
 
 def main() -> None:
@@ -43,6 +46,11 @@ def main() -> None:
     # The shipped model first, then the second.
     folders = dict(sorted(folders.items(), key=lambda kv: kv[0] != "tiny"))
     print(markdown(columns(folders, args.mode), METHODS, BASELINES, RETENTIONS), end="")
+    for window, buffer in FRONTIER:
+        cols = columns(folders, args.mode, window, buffer)
+        if cols:
+            print(f"\n**Kara minus each baseline at equal memory, W={window}, b={buffer} [95% paired CI]**\n")
+            print("\n".join(equal_memory_table(cols, BASELINES, RETENTIONS)))
 
 
 if __name__ == "__main__":
