@@ -301,6 +301,12 @@ SECOND_TESTBED = [
         REFERENCE,
         lambda: (reference_fidelity("kara") / reference_fidelity("full", 1.0),),
     ),
+    Claim(
+        "second testbed: PyramidKV at r=0.1 holds what Kara holds at r=0.2, and what it reads",
+        "PyramidKV at r=0.1 ({} held), which reads {}",
+        REFERENCE,
+        lambda: (reference()[("pyramidkv", 0.1)]["held_mean"], reference_fidelity("pyramidkv", 0.1)),
+    ),
 ]
 
 THROUGHPUT = [

@@ -6,8 +6,9 @@ training-only recall examples and arithmetic drills) with the loss on the chain 
 thought and answer only. Writes safetensors, tokenizer and config, and a
 ``training.json`` summary, to ``--out``.
 
-Usage (the shipped model's two stages and their timings are in its card,
-``kvllm/assets/kara-reasoner-tiny/README.md``)::
+Usage (the default model's two stages and their timings are in its card,
+``kvllm/assets/kara-reasoner-tiny/README.md``; the three stages of the second,
+``kara-reasoner-6l``, in its own)::
 
     python tools/train_reasoner.py --out /tmp/stage1 --minutes 40
     python tools/train_reasoner.py --out kvllm/assets/kara-reasoner-tiny --init-from /tmp/stage1 \
