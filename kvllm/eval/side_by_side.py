@@ -12,7 +12,7 @@ families becomes a column, labelled ``model / family``. Four tables come out:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,18 +99,9 @@ def difference_table(
         ours, theirs = col.get(reference, r), col.get(baseline, r)
         if ours is None or theirs is None or not _paired(ours, theirs):
             return "-"
-        d, lo, hi = paired_difference(*ours.read_counts(), *theirs.read_counts())
-        verdict = " above" if lo > 0 else " below" if hi < 0 else ""
-        return f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{verdict}"
+        return _difference(ours, theirs)
 
-    out = [_header(cols)[0].replace("| method |", f"| {reference} minus | r |", 1)]
-    out.append("| --- | ---: |" + " ---: |" * len(cols))
-    for b in baselines:
-        for r in retentions:
-            texts = [text(c, b, r) for c in cols]
-            if any(t != "-" for t in texts):  # a retention no column ran is no row
-                out.append(f"| {b} | {r:g} | " + " | ".join(texts) + " |")
-    return out
+    return _baseline_rows(cols, baselines, retentions, f"| {reference} minus | r |", text)
 
 
 def equal_memory_table(
@@ -138,16 +129,33 @@ def equal_memory_table(
         if not fits:
             return "-"
         theirs = max(fits, key=lambda c: c.fidelity_generated)
-        d, lo, hi = paired_difference(*ours.read_counts(), *theirs.read_counts())
-        verdict = " above" if lo > 0 else " below" if hi < 0 else ""
-        return f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{verdict} (r={theirs.retention:g}, {theirs.held_mean:.2f})"
+        return f"{_difference(ours, theirs)} (r={theirs.retention:g}, {theirs.held_mean:.2f})"
 
-    out = [_header(cols)[0].replace("| method |", f"| {reference} minus | {reference}'s r |", 1)]
-    out.append("| --- | ---: |" + " ---: |" * len(cols))
+    return _baseline_rows(cols, baselines, retentions, f"| {reference} minus | {reference}'s r |", text)
+
+
+def _difference(ours: CellResult, theirs: CellResult) -> str:
+    """``ours`` minus ``theirs`` on the same problems [95% paired CI], ``above``/``below``
+    where the interval excludes 0."""
+    d, lo, hi = paired_difference(*ours.read_counts(), *theirs.read_counts())
+    verdict = " above" if lo > 0 else " below" if hi < 0 else ""
+    return f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{verdict}"
+
+
+def _baseline_rows(
+    cols: Sequence[Column],
+    baselines: Sequence[str],
+    retentions: Sequence[float],
+    first: str,
+    text: Callable[[Column, str, float], str],
+) -> list[str]:
+    """A table with ``first``'s two leading columns and a row per (baseline, retention) of
+    ``text(column, baseline, r)``; a row no column has a cell for is left out."""
+    out = [_header(cols)[0].replace("| method |", first, 1), "| --- | ---: |" + " ---: |" * len(cols)]
     for b in baselines:
         for r in retentions:
             texts = [text(c, b, r) for c in cols]
-            if any(t != "-" for t in texts):
+            if any(t != "-" for t in texts):  # a retention no column ran is no row
                 out.append(f"| {b} | {r:g} | " + " | ".join(texts) + " |")
     return out
 
