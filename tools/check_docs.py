@@ -260,6 +260,16 @@ def reference_fidelity(method: str, retention: float = 0.2) -> float:
     return reference()[(method, retention)]["fidelity"]
 
 
+# Issue 22's (a) free-running, on the second model's stage 7 (not shipped; docs/training-attempts.md).
+STAGE7 = "docs/training-attempts/second-model-session18/claim-a/results.jsonl"
+
+
+@cache
+def stage7() -> dict[tuple[str, float], dict[str, Any]]:
+    """Stage 7's free-running reason cells (:func:`accuracy_rows`), by (method, r)."""
+    return {(m, r): row for (m, mode, r), row in accuracy_rows(STAGE7, "reason").items() if mode == "free"}
+
+
 SECOND_TESTBED = [
     Claim(
         "second testbed: Full KV's forced generated-read fidelity",
@@ -300,6 +310,18 @@ SECOND_TESTBED = [
         "Kara keeps {} of Full KV's reads",
         REFERENCE,
         lambda: (reference_fidelity("kara") / reference_fidelity("full", 1.0),),
+    ),
+    Claim(
+        "second testbed, free-running on stage 7: Full KV, Kara and SnapKV at r=0.2, Kara's share of Full KV",
+        "its Full KV reads {} of them, short of the 0.99 bar; `docs/training-attempts.md`, session 18), Kara at r=0.2 "
+        "reads {} against SnapKV's {} and keeps {} of Full KV's reads",
+        STAGE7,
+        lambda: (
+            stage7()[("full", 1.0)]["fidelity"],
+            stage7()[("kara", 0.2)]["fidelity"],
+            stage7()[("snapkv", 0.2)]["fidelity"],
+            stage7()[("kara", 0.2)]["fidelity"] / stage7()[("full", 1.0)]["fidelity"],
+        ),
     ),
     Claim(
         "second testbed: PyramidKV at r=0.1 holds what Kara holds at r=0.2, and what it reads",
