@@ -127,7 +127,7 @@ def _difficulty(
     return Difficulty(constants=constants, steps=min(steps, len(NAMES) - constants), depth=rng.random(), op=op)
 
 
-def _recall(rng: random.Random, pairs: int, queries: int, rewrites: float = 0.0) -> tuple[str, str]:
+def _recall(rng: random.Random, pairs: int, queries: int) -> tuple[str, str]:
     """A training-only associative-recall example in the tasks' value format (``bo41``).
 
     The prompt lists ``pairs`` values; the chain of thought writes ``queries`` of them
@@ -137,21 +137,10 @@ def _recall(rng: random.Random, pairs: int, queries: int, rewrites: float = 0.0)
     4 records; probes sat on that shortcut for 600+ steps and formed the lookup within
     300 once it was gone (``docs/training-attempts.md``). The queried names are random,
     so :func:`_batch` puts no loss on them: a loss there slowed the lookup's forming.
-
-    With ``rewrites``, each record after the first writes a new value to an earlier
-    record's name with that probability, and a query gives the name's latest value.
-    ``reason`` reassigns names, and stage 7 of the second model read an older value of a
-    reassigned name about 4 times in 10 (``docs/training-attempts.md``, session 18).
     """
     names = rng.sample(NAMES, pairs)
-    if rewrites > 0:
-        # Drawn only when asked for, so that runs without rewrites keep their random stream.
-        for i in range(1, pairs):
-            if rng.random() < rewrites:
-                names[i] = rng.choice(names[:i])
     records = [f"{name}{rng.randrange(100):02d}" for name in names]
-    latest = {record[:-2]: record for record in records}
-    asked = [latest[rng.choice(records)[:-2]] for _ in range(queries)]
+    asked = [rng.choice(records) for _ in range(queries)]
     # No header line: every token of context dilutes the attention a lookup starts from.
     text = " " + "\n ".join([*records, THINK, *asked, END_THINK, asked[-1]])
     split = text.index(THINK) + len(THINK)
@@ -191,13 +180,12 @@ def _batch(
     pairs: int | None = None,
     families: tuple[str, ...] = TRACE_FAMILIES,
     op: str = "add",
-    rewrites: float = 0.0,
 ):
     """Examples up to ``token_budget`` padded tokens; labels only on the target.
 
-    A ``recall`` share of the examples are :func:`_recall` ones (with ``rewrites``) and a
-    ``drill`` share :func:`_drill` ones, as long as the tasks; with ``pairs``, all are
-    recall examples of that many records (the warm-up, without rewrites).
+    A ``recall`` share of the examples are :func:`_recall` ones and a ``drill`` share
+    :func:`_drill` ones, as long as the tasks; with ``pairs``, all are recall examples of
+    that many records (the warm-up).
     """
     rows: list[tuple[list[int], int, str]] = []
     longest = 0
@@ -213,7 +201,7 @@ def _batch(
             # Twice as many queries as records: more lookups per token of context.
             text, answer = _recall(rng, pairs, 2 * pairs)
         elif kind == "recall":
-            text, answer = _recall(rng, n, n, rewrites)
+            text, answer = _recall(rng, n, n)
         elif kind == "drill":
             text, answer = _drill(rng, n, op)
         else:
@@ -344,12 +332,6 @@ def main() -> None:
     p.add_argument("--lookup-gate", type=float, default=0.9, help="lookup accuracy that adds a warm-up record")
     p.add_argument("--recall", type=float, default=0.2, help="share of training-only recall examples among tasks")
     p.add_argument("--drill", type=float, default=0.3, help="share of training-only arithmetic drills among tasks")
-    p.add_argument(
-        "--rewrites",
-        type=float,
-        default=0.0,
-        help="chance that a recall record after the first rewrites an earlier name (queries read the latest)",
-    )
     p.add_argument("--recall-pairs", type=int, default=6, help="records of the warm-up's last stage (from 2)")
     p.add_argument("--recall-warmup", type=float, default=15.0, help="most minutes of recall-only warm-up")
     p.add_argument(
@@ -374,8 +356,6 @@ def main() -> None:
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown or not families:
         p.error(f"--families {args.families!r} is invalid: must name some of {', '.join(FAMILIES)}")
-    if not 0.0 <= args.rewrites < 1.0:
-        p.error(f"--rewrites {args.rewrites} is invalid: must be in [0, 1)")
 
     tok = (
         build_tokenizer(args.vocab, args.seed, families, args.op)
@@ -463,7 +443,6 @@ def main() -> None:
             pairs=pairs if warming else None,
             families=families,
             op=args.op,
-            rewrites=args.rewrites,
         )
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         loss = out.loss
