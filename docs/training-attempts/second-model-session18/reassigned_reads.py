@@ -4,13 +4,14 @@
         docs/training-attempts/second-model-session18/checkpoint \
         docs/training-attempts/second-model-session18/eval-reason
 
-A read is right when it gives the latest value written to its name (a prompt constant or
-an earlier statement of the model's own chain); a check line's three values are reads,
-and it writes nothing. Reads are counted by whether their statement lies within the
-program's length or past it (the chain overran the program), and by whether the name was
-written once or again. Also prints, per problem, the asked name against the answered
-one, the chain's statements against the program's, and the first statement whose
-(name, operands) differ from the program's.
+Reads are graded as ``kvllm eval`` grades them (:func:`kvllm.eval.lookup.reads`: right
+when they give the latest value written to their name; a check line's three values are
+reads, and it writes nothing), plus the reads of never-written names it skips. They are
+counted by whether they come before or after the result of the program's last statement
+(the chain overran the program) and by whether the name was written once or again. Also
+prints, per problem, the asked name against the answered one, the chain's statements
+against the program's, and the first statement whose (name, operands) differ from the
+program's.
 """
 
 from __future__ import annotations
@@ -23,13 +24,23 @@ from collections import Counter
 
 from transformers import PreTrainedTokenizerFast
 
+from kvllm.eval import lookup
 from kvllm.eval.tasks import END_THINK, default_difficulty, make_task
 
-CONSTANT = re.compile(r"\s*([a-z]{2})(\d\d)\s*")
-# name = x : y = xVV : yVV = nameVV, as a check line or a statement.
-STATEMENT = re.compile(
-    r"\s*(check )?([a-z]{2}) = ([a-z]{2}) : ([a-z]{2}) = ([a-z]{2})(\d\d) : ([a-z]{2})(\d\d) = ([a-z]{2})(\d\d)\s*"
-)
+
+def operands(completion: str) -> tuple[list[int], list[tuple[str, str, str]]]:
+    """Character offsets of every operand's digits (a check line's result too), which is
+    what :func:`lookup.reads` grades plus the reads of never-written names it skips; and
+    each statement's (name, operand, operand), to set beside the program's."""
+    starts, statements, offset = [], [], 0
+    for line in completion.split(END_THINK)[0].split("\n"):
+        if m := lookup.STATEMENT.match(line):
+            starts += [offset + m.start(6), offset + m.start(9)]
+            statements.append((m[1], m[2], m[4]))
+        elif c := lookup.CHECK.match(line):
+            starts += [offset + c.start(6), offset + c.start(9), offset + c.start(11)]
+        offset += len(line) + 1
+    return starts, statements
 
 
 def main(model: str, folder: str) -> None:
@@ -41,32 +52,25 @@ def main(model: str, folder: str) -> None:
         task = make_task("reason", int(problem["uid"]), difficulty)
         program = [tuple(re.findall(r"[a-z]{2}", line)) for line in task.prompt.split("\n") if " = " in line]
         text = tok.decode(problem["ids"])
-        values: dict[str, str] = {}
-        writes: Counter = Counter()
-        for line in task.prompt.split("\n"):
-            if m := CONSTANT.fullmatch(line):
-                values[m[1]], writes[m[1]] = m[2], 1
-        own: list[tuple[str, ...]] = []
-        for line in text.split(END_THINK)[0].split("\n"):
-            if not (m := STATEMENT.fullmatch(line)):
-                continue
-            where = "within" if len(own) < len(program) else "past"
-            check = bool(m[1])
-            for name, value in ((m[5], m[6]), (m[7], m[8]), *([(m[9], m[10])] if check else [])):
-                if name not in values:
-                    counts[where, "unwritten"] += 1
-                else:
-                    counts[where, "again" if writes[name] > 1 else "once", values[name] == value] += 1
-            if not check:
-                values[m[9]] = m[10]
-                writes[m[9]] += 1
-                own.append((m[2], m[3], m[4]))
+        statements = lookup.results(text)  # (name, offset of the name, offset of its digits)
+        # A read is past the program when it follows the result of the program's last statement.
+        end = statements[len(program) - 1][2] if len(statements) >= len(program) else len(text)
+        constants = lookup.prompt_constants(task.prompt)
+        graded = lookup.reads(task.prompt, text)
+        for read in graded:
+            writes = (read.name in constants) + sum(n == read.name and d < read.start for n, _, d in statements)
+            counts["past" if read.start > end else "within", "again" if writes > 1 else "once", read.right] += 1
+        starts, own = operands(text)
+        seen = {read.start for read in graded}
+        for start in starts:
+            if start not in seen:
+                counts["past" if start > end else "within", "unwritten"] += 1
         drift = next((i for i, (a, b) in enumerate(zip(own, program, strict=False)) if a != b), None)
         asked = task.prompt.split("\n")[0].rstrip(".").split()[-1]
         answered = text.split("\n")[-1].strip().removesuffix(tok.eos_token)
         print(
             f"problem {problem['uid']}: asked {asked}, answered {answered}, "
-            f"{len(own)} statements (program {len(program)}), first off the program: {drift}"
+            f"{len(statements)} statements (program {len(program)}), first off the program: {drift}"
         )
     print("reads (within or past the program's length, name written once or again, right):")
     for key, n in sorted(counts.items(), key=str):
