@@ -24,30 +24,35 @@ TARGET = "\n".join(
 )
 
 
-def test_copy_spans_are_a_statements_names_and_the_end_of_thinking() -> None:
-    copied = [TARGET[a:b] for a, b in train_reasoner.copy_spans(TARGET)]
+def test_copy_spans_are_a_statements_names_and_the_end_is_its_line() -> None:
+    spans, end = train_reasoner.copy_spans(TARGET)
     # The check line's name is a random earlier step: nothing in it is copied.
-    assert copied == ["ce", "bo", "ku", "</think>"]
+    assert [TARGET[a:b] for a, b in spans] == ["ce", "bo", "ku"]
     first = TARGET.index("ce = bo")
-    assert train_reasoner.copy_spans(TARGET)[0] == (first, first + 2)
+    assert spans[0] == (first, first + 2)
+    # The end starts at the line's space: the token where a chain decides to stop.
+    assert end is not None and TARGET[slice(*end)] == " </think>"
+    assert train_reasoner.copy_spans(" ce54") == ([], None)
 
 
 def test_batch_marks_the_copied_tokens_of_tasks_only() -> None:
     tok = PreTrainedTokenizerFast.from_pretrained(model_path())
     name_ids = train_reasoner.name_token_ids(tok)
     digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
-    input_ids, labels, _mask, copy = train_reasoner._batch(
+    input_ids, labels, _mask, copy, end = train_reasoner._batch(
         tok, random.Random(3), 4096, 0.3, 48, 0.0, 0.0, name_ids, digit_ids, families=("trace",)
     )
-    assert copy.shape == labels.shape and not (copy & (labels == -100)).any()
-    for row, marks in zip(input_ids, copy, strict=True):
+    assert copy.shape == end.shape == labels.shape and not ((copy | end) & (labels == -100)).any()
+    for row, marks, stop in zip(input_ids, copy, end, strict=True):
         words = [t.removeprefix("Ġ") for t in tok.convert_ids_to_tokens(row[marks])]
-        # Each statement gives its name and two operands, then the chain ends once.
-        assert words[-1] == "</think>" and words.count("</think>") == 1
-        assert len(words) % 3 == 1 and all(w in NAMES for w in words[:-1])
+        # Each statement gives its name and two operands.
+        assert words and len(words) % 3 == 0 and all(w in NAMES for w in words)
+        assert tok.decode(row[stop]) == " </think>"
     # Recall examples copy nothing (their queried names are random).
-    _, _, _, copy = train_reasoner._batch(tok, random.Random(3), 512, 0.3, 48, 1.0, 0.0, name_ids, digit_ids, pairs=4)
-    assert not copy.any()
+    _, _, _, copy, end = train_reasoner._batch(
+        tok, random.Random(3), 512, 0.3, 48, 1.0, 0.0, name_ids, digit_ids, pairs=4
+    )
+    assert not copy.any() and not end.any()
 
 
 def test_weighted_loss_at_weight_one_is_transformers_loss() -> None:
@@ -58,11 +63,11 @@ def test_weighted_loss_at_weight_one_is_transformers_loss() -> None:
     ids = torch.tensor([tok(task.text)["input_ids"]])
     labels = ids.clone()
     labels[:, : len(tok(task.prompt)["input_ids"])] = -100
-    copy = torch.zeros_like(ids, dtype=torch.bool)
-    copy[:, -5:] = True
+    weight = torch.ones(ids.shape)
     with torch.no_grad():
         out = model(input_ids=ids, labels=labels)
-        plain = train_reasoner.weighted_loss(out.logits, labels, copy, 1.0)
-        heavy = train_reasoner.weighted_loss(out.logits, labels, copy, 10.0)
+        plain = train_reasoner.weighted_loss(out.logits, labels, weight)
+        weight[:, -5:] = 10.0
+        heavy = train_reasoner.weighted_loss(out.logits, labels, weight)
     torch.testing.assert_close(plain, out.loss)
     assert not torch.isclose(heavy, plain)

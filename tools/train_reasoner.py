@@ -168,26 +168,26 @@ def _drill(rng: random.Random, lines: int, op: str = "add") -> tuple[str, str]:
     return text[:split], text[split:]
 
 
-def copy_spans(target: str) -> list[tuple[int, int]]:
-    """Character spans of a task target's copies from the prompt's program.
+def copy_spans(target: str) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+    """Character spans of a task target's copies from the prompt's program, and its end.
 
-    Each statement line's name (which statement comes next) and its two operand names,
-    copied from the prompt's line that defines the name, and the ``</think>`` that ends
-    the chain after the program's last statement. A check line's name is a random earlier
-    step, not a copy, so check lines have none. Stage 7 of the second model copied a
-    statement's first operand right only 0.46 of the time teacher-forced (the second 0.98),
-    and its free chains, off the program, ran past its last statement instead of stopping
-    (docs/training-attempts.md, "Session 19").
+    The copies are each statement line's name (which statement comes next) and its two
+    operand names, copied from the prompt's line that defines the name; a check line's
+    name is a random earlier step, not a copy, so check lines have none. Stage 7 of the
+    second model copied a reason statement's first operand right only 0.46 of the time
+    teacher-forced (the second 0.98), so its free chains left the program. The end is
+    the line `` </think>``, whose first token (the space) is where a chain decides to
+    stop: stage 8 gave it a probability of 0.02-0.13 right after reason's last statement,
+    so its chains ran past the program (docs/training-attempts.md, "Session 19").
     """
-    spans, offset = [], 0
+    spans, end, offset = [], None, 0
     for line in target.split("\n"):
         if m := STATEMENT.match(line):
             spans += [(offset + m.start(g), offset + m.end(g)) for g in (1, 2, 4)]
         elif line.strip() == END_THINK:
-            start = offset + line.index(END_THINK)
-            spans.append((start, start + len(END_THINK)))
+            end = (offset, offset + len(line))
         offset += len(line) + 1
-    return spans
+    return spans, end
 
 
 def _batch(
@@ -209,9 +209,9 @@ def _batch(
     A ``recall`` share of the examples are :func:`_recall` ones and a ``drill`` share
     :func:`_drill` ones, as long as the tasks; with ``pairs``, all are recall examples of
     that many records (the warm-up). Returns ids, labels, attention mask, and where a
-    label is one of a task's copies from the prompt (:func:`copy_spans`).
+    label is one of a task's copies from the prompt and where its end (:func:`copy_spans`).
     """
-    rows: list[tuple[list[int], int, str, list[bool]]] = []
+    rows: list[tuple[list[int], int, str, list[bool], list[bool]]] = []
     longest = 0
     line_end = torch.tensor([tok.convert_tokens_to_ids("Ċ"), tok.eos_token_id])
     # One program length per batch keeps padding (wasted compute) small.
@@ -234,18 +234,21 @@ def _batch(
         prompt = tok(text)["input_ids"]
         encoded = tok(answer, return_offsets_mapping=True)
         target = encoded["input_ids"] + [tok.eos_token_id]
-        spans = copy_spans(answer) if kind == "task" else []
-        copies = [any(a < end and start < b for start, end in spans) for a, b in encoded["offset_mapping"]] + [False]
+        spans, end = copy_spans(answer) if kind == "task" else ([], None)
+        offsets = encoded["offset_mapping"]
+        copies = [any(a < stop and start < b for start, stop in spans) for a, b in offsets] + [False]
+        ends = [end is not None and a < end[1] and end[0] < b for a, b in offsets] + [False]
         ids = prompt + target
         if rows and max(longest, len(ids)) * (len(rows) + 1) > token_budget:
             break
-        rows.append((ids, len(prompt), kind, copies))
+        rows.append((ids, len(prompt), kind, copies, ends))
         longest = max(longest, len(ids))
     input_ids = torch.full((len(rows), longest), tok.pad_token_id)
     labels = torch.full((len(rows), longest), -100)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     copy = torch.zeros((len(rows), longest), dtype=torch.bool)
-    for i, (ids, n_prompt, kind, copies) in enumerate(rows):
+    end = torch.zeros((len(rows), longest), dtype=torch.bool)
+    for i, (ids, n_prompt, kind, copies, ends) in enumerate(rows):
         target = torch.tensor(ids[n_prompt:])
         if kind == "recall":
             target[torch.isin(target, name_ids)] = -100
@@ -260,15 +263,16 @@ def _batch(
         labels[i, n_prompt : len(ids)] = target
         mask[i, : len(ids)] = 1
         copy[i, n_prompt : len(ids)] = torch.tensor(copies)
-    return input_ids, labels, mask, copy
+        end[i, n_prompt : len(ids)] = torch.tensor(ends)
+    return input_ids, labels, mask, copy, end
 
 
-def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, copy: torch.Tensor, copy_weight: float) -> torch.Tensor:
-    """Next-token cross-entropy, a weighted mean over the labelled tokens: ``copy_weight``
-    on copies (:func:`_batch`), 1 elsewhere; with a weight of 1, the plain mean that
-    ``transformers`` computes from ``labels``."""
+def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, the mean over the labelled tokens weighted by ``weight``
+    (one per label); with weights of 1, the plain mean that ``transformers`` computes
+    from ``labels``."""
     target = labels[:, 1:]
-    weight = torch.where(copy[:, 1:], copy_weight, 1.0) * (target != -100)
+    weight = weight[:, 1:] * (target != -100)
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, reduction="none")
     return (ce * weight).sum() / weight.sum()
 
@@ -371,7 +375,10 @@ def main() -> None:
         "--copy-weight",
         type=float,
         default=1.0,
-        help="loss weight of a task chain's copies from the prompt's program (statement and operand names, </think>)",
+        help="loss weight of a task chain's copies from the prompt's program (statement and operand names)",
+    )
+    p.add_argument(
+        "--end-weight", type=float, default=1.0, help="loss weight of the line that ends a task chain (</think>)"
     )
     p.add_argument("--level-up", type=float, default=0.85, help="digit accuracy that raises the task level")
     p.add_argument("--lookup-gate", type=float, default=0.9, help="lookup accuracy that adds a warm-up record")
@@ -430,7 +437,7 @@ def main() -> None:
     start = time.perf_counter()
     step, tokens, log_loss, log_n = 0, 0, 0.0, 0
     log_hit, log_digits, log_look, log_lookups = 0, 0, 0, 0
-    log_copied, log_copies = 0, 0
+    log_copied, log_copies, log_ended, log_ends = 0, 0, 0, 0
     # Recall-only warm-up from 2 records up, one more each time the lookup is mostly
     # right; then the tasks, one curriculum level up each step their digits are mostly
     # right. The time floor is off unless asked for (``--floor-until``): a level forced up
@@ -476,7 +483,7 @@ def main() -> None:
             # A time floor, for runs whose lookup has formed: without it a model that reads
             # values back but cannot yet add never sees a program longer than 3 steps.
             level = max(level, min(1.0, progress / args.floor_until))
-        input_ids, labels, mask, copy = _batch(
+        input_ids, labels, mask, copy, end = _batch(
             tok,
             rng,
             args.recall_batch_tokens if warming else args.batch_tokens,
@@ -491,7 +498,8 @@ def main() -> None:
             op=args.op,
         )
         out = model(input_ids=input_ids, attention_mask=mask)
-        loss = weighted_loss(out.logits, labels, copy, args.copy_weight)
+        weight = 1 + (args.copy_weight - 1) * copy + (args.end_weight - 1) * end
+        loss = weighted_loss(out.logits, labels, weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -511,6 +519,7 @@ def main() -> None:
             hit, n_digits = int((right & digits).sum()), int(digits.sum())
             look, n_lookups = int((right & lookups).sum()), int(lookups.sum())
             log_copied, log_copies = log_copied + int((right & copy[:, 1:]).sum()), log_copies + int(copy.sum())
+            log_ended, log_ends = log_ended + int((right & end[:, 1:]).sum()), log_ends + int(end.sum())
             log_hit, log_digits = log_hit + hit, log_digits + n_digits
             log_look, log_lookups = log_look + look, log_lookups + n_lookups
             digit_ema = 0.95 * digit_ema + 0.05 * hit / max(1, n_digits)
@@ -520,13 +529,13 @@ def main() -> None:
             print(
                 f"{now / 60:5.1f} min step {step} loss {log_loss / log_n:.4f} "
                 f"digits {log_hit / max(1, log_digits):.3f} lookups {log_look / max(1, log_lookups):.3f} "
-                f"copies {log_copied / max(1, log_copies):.3f} "
+                f"copies {log_copied / max(1, log_copies):.3f} ends {log_ended / max(1, log_ends):.3f} "
                 f"{f'records {pairs}' if pairs <= args.recall_pairs else f'level {level:.2f}'} lr {lr:.2e} "
                 f"{tokens / now:.0f} tok/s ({tokens / 1e6:.2f}M tokens)",
                 flush=True,
             )
             log_loss, log_n, log_hit, log_digits, log_look, log_lookups = 0.0, 0, 0, 0, 0, 0
-            log_copied, log_copies = 0, 0
+            log_copied, log_copies, log_ended, log_ends = 0, 0, 0, 0
             last_log = time.perf_counter()
         if args.save_every and time.perf_counter() - last_save > 60 * args.save_every:
             _save(model, tok, args.out)
