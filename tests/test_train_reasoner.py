@@ -48,6 +48,11 @@ def test_batch_marks_the_copied_tokens_of_tasks_only() -> None:
         # Each statement gives its name and two operands.
         assert words and len(words) % 3 == 0 and all(w in NAMES for w in words)
         assert tok.decode(row[stop]) == " </think>"
+    # Nor do drills (random lines), whatever the mix.
+    input_ids, _, _, copy, end = train_reasoner._batch(
+        tok, random.Random(5), 4096, 0.3, 48, 0.0, 1.0, name_ids, digit_ids, families=("trace",)
+    )
+    assert not copy.any() and not end.any()
     # Recall examples copy nothing (their queried names are random).
     _, _, _, copy, end = train_reasoner._batch(
         tok, random.Random(3), 512, 0.3, 48, 1.0, 0.0, name_ids, digit_ids, pairs=4

@@ -237,18 +237,18 @@ def _batch(
         spans, end = copy_spans(answer) if kind == "task" else ([], None)
         offsets = encoded["offset_mapping"]
         copies = [any(a < stop and start < b for start, stop in spans) for a, b in offsets] + [False]
-        ends = [end is not None and a < end[1] and end[0] < b for a, b in offsets] + [False]
+        stops = [end is not None and a < end[1] and end[0] < b for a, b in offsets] + [False]
         ids = prompt + target
         if rows and max(longest, len(ids)) * (len(rows) + 1) > token_budget:
             break
-        rows.append((ids, len(prompt), kind, copies, ends))
+        rows.append((ids, len(prompt), kind, copies, stops))
         longest = max(longest, len(ids))
     input_ids = torch.full((len(rows), longest), tok.pad_token_id)
     labels = torch.full((len(rows), longest), -100)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     copy = torch.zeros((len(rows), longest), dtype=torch.bool)
     end = torch.zeros((len(rows), longest), dtype=torch.bool)
-    for i, (ids, n_prompt, kind, copies, ends) in enumerate(rows):
+    for i, (ids, n_prompt, kind, copies, stops) in enumerate(rows):
         target = torch.tensor(ids[n_prompt:])
         if kind == "recall":
             target[torch.isin(target, name_ids)] = -100
@@ -263,7 +263,7 @@ def _batch(
         labels[i, n_prompt : len(ids)] = target
         mask[i, : len(ids)] = 1
         copy[i, n_prompt : len(ids)] = torch.tensor(copies)
-        end[i, n_prompt : len(ids)] = torch.tensor(ends)
+        end[i, n_prompt : len(ids)] = torch.tensor(stops)
     return input_ids, labels, mask, copy, end
 
 
