@@ -4,9 +4,13 @@
 # seeds, stage 7 copied a reason statement's first operand name from the prompt right
 # only 0.46 of the time (the second 0.98; trace: 0.78 and 0.98), so its free chains left
 # the program within the first 20 statements and, off it, ran past the program's last
-# statement instead of stopping (where the chain follows the program, it predicts
-# </think> there with probability 1.00 on all 8). A weight of 4 on the copied names and
-# </think> (about 3 of a statement line's 18 tokens) makes them a bit under half the loss.
+# statement instead of stopping. (It predicts </think> with probability 1.00 where the
+# target has it, which seemed to say it knew where to stop; but that token always follows
+# the end line's first token, a space, and the space is the decision: see run9.sh.) A
+# weight of 4 on the copied names and </think> (about 3 of a statement line's 18 tokens)
+# makes them a bit under half the loss.
+# Stage 8 ran at e535041, where the copies included the </think> token; from 8e48a44 on
+# they do not (that token always follows the end line's space, --end-weight's mark).
 set -e
 cd /work/main
 SHAPE="--hidden 192 --layers 6 --heads 8 --kv-heads 2 --head-dim 64"
