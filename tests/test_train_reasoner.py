@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 from kvllm.assets import model_path
-from kvllm.eval.tasks import NAMES, make_task
+from kvllm.eval.tasks import HEDGES, NAMES, make_task
 from tools import train_reasoner
 
 TARGET = "\n".join(
@@ -76,3 +76,58 @@ def test_weighted_loss_at_weight_one_is_transformers_loss() -> None:
         heavy = train_reasoner.weighted_loss(out.logits, labels, weight)
     torch.testing.assert_close(plain, out.loss)
     assert not torch.isclose(heavy, plain)
+
+
+def test_rename_permutes_names_and_keeps_words() -> None:
+    task = make_task("reason", 7)
+    prompt, target = train_reasoner.rename((task.prompt, task.target), random.Random(0))
+    assert prompt.startswith("reason: evaluate and report ") and prompt.endswith(" <think>")
+    pairs = set()
+    lines = zip((task.prompt + task.target).split("\n"), (prompt + target).split("\n"), strict=True)
+    for before, after in lines:
+        # Words that are also names keep their letters: the hedges ("let me", "so far so
+        # good") and a restatement's "so".
+        if before.strip() in HEDGES:
+            assert after == before
+            continue
+        if before.startswith(" so ") and " is " in before:
+            assert after.startswith(" so ")
+            before, after = before[4:], after[4:]
+        assert len(before) == len(after)
+        pairs |= {
+            (before[m.start() : m.end()], after[m.start() : m.end()]) for m in train_reasoner._NAME.finditer(before)
+        }
+    # One permutation for both texts: each name has one image, and no two the same.
+    images = dict(pairs)
+    assert len(images) == len(pairs) and len(set(images.values())) == len(images)
+    assert sum(a != b for a, b in pairs) > 0.9 * len(pairs)
+
+
+def test_batches_from_workers_are_batches_of_the_same_kind() -> None:
+    tok = PreTrainedTokenizerFast.from_pretrained(model_path())
+    fixed = dict(
+        tok=tok,
+        top_steps=48,
+        recall=0.0,
+        drill=0.0,
+        name_ids=train_reasoner.name_token_ids(tok),
+        digit_ids=torch.tensor(tok.convert_tokens_to_ids(list("0123456789"))),
+        families=("trace",),
+        shuffle=1.0,
+    )
+    # In the loop: the batches of a random.Random(seed), as before workers existed.
+    inline = train_reasoner.Batches(0, 3, (4096, 512), **fixed).next(0.3, None)
+    direct = train_reasoner._batch(rng=random.Random(3), token_budget=4096, level=0.3, **fixed)
+    for a, b in zip(inline, direct, strict=True):
+        assert torch.equal(a, b)
+    batches = train_reasoner.Batches(1, 3, (4096, 512), **fixed)
+    worker = batches.next(0.3, None)
+    assert [t.dtype for t in worker] == [t.dtype for t in direct]
+    input_ids, labels, _, copy, end = worker
+    assert input_ids.numel() <= 4096 and copy.any() and end.any() and not ((copy | end) & (labels == -100)).any()
+    # The warm-up's records reach the worker: its batches are then recall examples (no copies).
+    # The warm-up's records reach the worker: then its batches (after the queued ones)
+    # are recall examples, which copy nothing.
+    warm = [batches.next(0.0, 2)[3] for _ in range(4)]
+    batches.close()
+    assert not warm[-1].any()

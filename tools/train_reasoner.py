@@ -21,10 +21,12 @@ import argparse
 import json
 import math
 import random
+import re
 import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
@@ -32,8 +34,10 @@ from kvllm.eval.lookup import STATEMENT
 from kvllm.eval.tasks import (
     END_THINK,
     FAMILIES,
+    HEDGES,
     NAMES,
     OPS,
+    RESTATE,
     THINK,
     TRACE_FAMILIES,
     TRAIN_SEEDS,
@@ -168,6 +172,35 @@ def _drill(rng: random.Random, lines: int, op: str = "add") -> tuple[str, str]:
     return text[:split], text[split:]
 
 
+# A name is two letters between non-letters; ``bo41`` holds one, ``code57`` none.
+_NAME = re.compile(rf"(?<![a-z])({'|'.join(NAMES)})(?![a-z])")
+# A restatement (``so ce is 54.``) starts with a word that is also a name.
+_RESTATEMENT = re.compile(rf"^ ?{RESTATE} (?=[a-z]{{2}} is )")
+
+
+def rename(texts: tuple[str, ...], rng: random.Random) -> tuple[str, ...]:
+    """``texts`` with the variable names permuted at random, the same way in each.
+
+    A training-only variant of the tasks. Their programs name statements in the order of
+    ``NAMES``, so a model can write each next statement's name by that order without
+    reading the prompt's program, and then has nothing that tells it where the program
+    ends: stage 8 of the second model wrote statements on past the last one
+    (docs/training-attempts.md, "Session 19"). With the names permuted, the next name is
+    only where the prompt's next line has it, and after the last line stands the
+    thinking marker. Hedging lines and a restatement's first word (``so``, also a name)
+    are words, not names, and keep their letters.
+    """
+    mapping = dict(zip(NAMES, rng.sample(NAMES, len(NAMES)), strict=True))
+
+    def line(text: str) -> str:
+        if text.strip() in HEDGES:
+            return text
+        head = m.group() if (m := _RESTATEMENT.match(text)) else ""
+        return head + _NAME.sub(lambda name: mapping[name.group()], text[len(head) :])
+
+    return tuple("\n".join(map(line, text.split("\n"))) for text in texts)
+
+
 def copy_spans(target: str) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
     """Character spans of a task target's copies from the prompt's program, and its end.
 
@@ -203,11 +236,13 @@ def _batch(
     pairs: int | None = None,
     families: tuple[str, ...] = TRACE_FAMILIES,
     op: str = "add",
+    shuffle: float = 0.0,
 ):
     """Examples up to ``token_budget`` padded tokens; labels only on the target.
 
     A ``recall`` share of the examples are :func:`_recall` ones and a ``drill`` share
-    :func:`_drill` ones, as long as the tasks; with ``pairs``, all are recall examples of
+    :func:`_drill` ones, as long as the tasks; a ``shuffle`` share of the tasks have their
+    names permuted (:func:`rename`); with ``pairs``, all are recall examples of
     that many records (the warm-up). Returns ids, labels, attention mask, and where a
     label is one of a task's copies from the prompt and where its end (:func:`copy_spans`).
     """
@@ -231,6 +266,9 @@ def _batch(
         else:
             task = make_task(rng.choice(families), rng.choice(TRAIN_SEEDS), d)
             text, answer = task.prompt, task.target
+            # Only when asked: a draw here would change the data of runs made without it.
+            if shuffle and rng.random() < shuffle:
+                text, answer = rename((text, answer), rng)
         prompt = tok(text)["input_ids"]
         encoded = tok(answer, return_offsets_mapping=True)
         target = encoded["input_ids"] + [tok.eos_token_id]
@@ -265,6 +303,51 @@ def _batch(
         copy[i, n_prompt : len(ids)] = torch.tensor(copies)
         end[i, n_prompt : len(ids)] = torch.tensor(stops)
     return input_ids, labels, mask, copy, end
+
+
+class Batches:
+    """Training batches (:func:`_batch`), made in the training loop or, with ``workers``,
+    by that many processes ahead of it: a GPU step takes less time than making its batch.
+
+    ``budgets`` are the padded tokens of a task batch and of a warm-up one; ``fixed``, the
+    rest of :func:`_batch`'s arguments but the level and the warm-up's records, which
+    :meth:`next` takes each step (a worker's batches lag them by the queue's length).
+    Without workers the batches are those of a ``random.Random(seed)``, as before workers.
+    """
+
+    def __init__(self, workers: int, seed: int, budgets: tuple[int, int], **fixed: object) -> None:
+        self.budgets, self.fixed, self.rng = budgets, fixed, random.Random(seed)
+        self.processes = []
+        if workers:
+            # Spawned, not forked: the parent may hold a CUDA context, which forks break.
+            ctx = mp.get_context("spawn")
+            self.level, self.pairs = ctx.Value("d", 0.0), ctx.Value("i", 0)
+            self.queue = ctx.Queue(maxsize=2 * workers)
+            for i in range(workers):
+                args = (seed * 1000 + i + 1, budgets, fixed, self.level, self.pairs, self.queue)
+                self.processes.append(ctx.Process(target=_make_batches, args=args, daemon=True))
+                self.processes[-1].start()
+
+    def next(self, level: float, pairs: int | None) -> tuple[torch.Tensor, ...]:
+        if not self.processes:
+            budget = self.budgets[pairs is not None]
+            return _batch(rng=self.rng, token_budget=budget, level=level, pairs=pairs, **self.fixed)
+        self.level.value, self.pairs.value = level, pairs or 0
+        return tuple(map(torch.from_numpy, self.queue.get()))
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.terminate()
+
+
+def _make_batches(seed: int, budgets: tuple[int, int], fixed: dict, level, pairs, queue) -> None:
+    """A worker of :class:`Batches`: batches, as numpy arrays (plain pickles), into ``queue``."""
+    torch.set_num_threads(1)
+    rng = random.Random(seed)
+    while True:
+        records = pairs.value or None
+        batch = _batch(rng=rng, token_budget=budgets[records is not None], level=level.value, pairs=records, **fixed)
+        queue.put(tuple(t.numpy() for t in batch))
 
 
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -322,6 +405,7 @@ def _init(config: Qwen3Config, args: argparse.Namespace, seed: int) -> tuple[Qwe
                 param.fill_(args.qk_init)
         if args.prev_token_init:
             _prev_token_head(model)
+    model.to(args.device)
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW(
@@ -359,6 +443,8 @@ def main() -> None:
         "--recall-batch-tokens", type=int, default=512, help="warm-up batches: smaller, so more steps per minute"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="torch device; on cuda the forward pass runs in bf16 autocast")
+    p.add_argument("--workers", type=int, default=0, help="processes that make batches (0: the training loop does)")
     p.add_argument(
         "--families",
         default=",".join(TRACE_FAMILIES),
@@ -379,6 +465,9 @@ def main() -> None:
     )
     p.add_argument(
         "--end-weight", type=float, default=1.0, help="loss weight of the line that ends a task chain (</think>)"
+    )
+    p.add_argument(
+        "--shuffle-names", type=float, default=0.0, help="share of task examples with their names permuted at random"
     )
     p.add_argument("--level-up", type=float, default=0.85, help="digit accuracy that raises the task level")
     p.add_argument("--lookup-gate", type=float, default=0.9, help="lookup accuracy that adds a warm-up record")
@@ -403,7 +492,6 @@ def main() -> None:
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
     p.add_argument("--save-every", type=float, default=0.0, help="minutes between snapshots (0: at the end)")
     args = p.parse_args()
-    rng = random.Random(args.seed)
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown or not families:
@@ -433,6 +521,23 @@ def main() -> None:
     print(f"params {n_params / 1e6:.2f}M, vocab {len(tok)}, threads {torch.get_num_threads()}", flush=True)
     digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
     name_ids = name_token_ids(tok)
+    batches = Batches(
+        args.workers,
+        args.seed,
+        (args.batch_tokens, args.recall_batch_tokens),
+        tok=tok,
+        top_steps=args.top_steps,
+        recall=args.recall,
+        drill=args.drill,
+        name_ids=name_ids,
+        digit_ids=digit_ids,
+        families=families,
+        op=args.op,
+        shuffle=args.shuffle_names,
+    )
+    digit_ids, name_ids = digit_ids.to(args.device), name_ids.to(args.device)
+    # bf16 on a GPU (its matrix units); fp32 on the CPU, where bf16 matmuls are emulated.
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.device(args.device).type == "cuda")
     budget = args.minutes * 60
     start = time.perf_counter()
     step, tokens, log_loss, log_n = 0, 0, 0.0, 0
@@ -483,21 +588,10 @@ def main() -> None:
             # A time floor, for runs whose lookup has formed: without it a model that reads
             # values back but cannot yet add never sees a program longer than 3 steps.
             level = max(level, min(1.0, progress / args.floor_until))
-        input_ids, labels, mask, copy, end = _batch(
-            tok,
-            rng,
-            args.recall_batch_tokens if warming else args.batch_tokens,
-            level,
-            args.top_steps,
-            args.recall,
-            args.drill,
-            name_ids,
-            digit_ids,
-            pairs=pairs if warming else None,
-            families=families,
-            op=args.op,
-        )
-        out = model(input_ids=input_ids, attention_mask=mask)
+        batch = batches.next(level, pairs if warming else None)
+        input_ids, labels, mask, copy, end = (t.to(args.device, non_blocking=True) for t in batch)
+        with autocast:
+            out = model(input_ids=input_ids, attention_mask=mask)
         weight = 1 + (args.copy_weight - 1) * copy + (args.end_weight - 1) * end
         loss = weighted_loss(out.logits, labels, weight)
         opt.zero_grad(set_to_none=True)
@@ -543,6 +637,7 @@ def main() -> None:
             last_save = time.perf_counter()
 
     wall = time.perf_counter() - start
+    batches.close()
     _save(model, tok, args.out)
     summary = {
         "params": n_params,
