@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
@@ -39,25 +40,28 @@ def test_batch_marks_the_copied_tokens_of_tasks_only() -> None:
     tok = PreTrainedTokenizerFast.from_pretrained(model_path())
     name_ids = train_reasoner.name_token_ids(tok)
     digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
-    input_ids, labels, _mask, copy, end = train_reasoner._batch(
+    input_ids, labels, _mask, copy, end, answer = train_reasoner._batch(
         tok, random.Random(3), 4096, 0.3, 48, 0.0, 0.0, name_ids, digit_ids, families=("trace",)
     )
     assert copy.shape == end.shape == labels.shape and not ((copy | end) & (labels == -100)).any()
-    for row, marks, stop in zip(input_ids, copy, end, strict=True):
+    assert not ((copy | end) & answer).any() and not (answer & (labels == -100)).any()
+    for row, marks, stop, answered in zip(input_ids, copy, end, answer, strict=True):
         words = [t.removeprefix("Ġ") for t in tok.convert_ids_to_tokens(row[marks])]
         # Each statement gives its name and two operands.
         assert words and len(words) % 3 == 0 and all(w in NAMES for w in words)
         assert tok.decode(row[stop]) == " </think>"
+        # The answer: the line after the end, the asked name and its value.
+        assert re.fullmatch(r"\n [a-z]{2}\d\d", tok.decode(row[answered]))
     # Nor do drills (random lines), whatever the mix.
-    input_ids, _, _, copy, end = train_reasoner._batch(
+    input_ids, _, _, copy, end, answer = train_reasoner._batch(
         tok, random.Random(5), 4096, 0.3, 48, 0.0, 1.0, name_ids, digit_ids, families=("trace",)
     )
-    assert not copy.any() and not end.any()
+    assert not copy.any() and not end.any() and not answer.any()
     # Recall examples copy nothing (their queried names are random).
-    _, _, _, copy, end = train_reasoner._batch(
+    _, _, _, copy, end, answer = train_reasoner._batch(
         tok, random.Random(3), 512, 0.3, 48, 1.0, 0.0, name_ids, digit_ids, pairs=4
     )
-    assert not copy.any() and not end.any()
+    assert not copy.any() and not end.any() and not answer.any()
 
 
 def test_weighted_loss_at_weight_one_is_transformers_loss() -> None:
@@ -123,7 +127,7 @@ def test_batches_from_workers_are_batches_of_the_same_kind() -> None:
     batches = train_reasoner.Batches(1, 3, (4096, 512), **fixed)
     worker = batches.next(0.3, None)
     assert [t.dtype for t in worker] == [t.dtype for t in direct]
-    input_ids, labels, _, copy, end = worker
+    input_ids, labels, _, copy, end, _ = worker
     assert input_ids.numel() <= 4096 and copy.any() and end.any() and not ((copy | end) & (labels == -100)).any()
     # The warm-up's records reach the worker: its batches are then recall examples (no copies).
     # The warm-up's records reach the worker: then its batches (after the queued ones)

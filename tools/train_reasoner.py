@@ -244,9 +244,10 @@ def _batch(
     :func:`_drill` ones, as long as the tasks; a ``shuffle`` share of the tasks have their
     names permuted (:func:`rename`); with ``pairs``, all are recall examples of
     that many records (the warm-up). Returns ids, labels, attention mask, and where a
-    label is one of a task's copies from the prompt and where its end (:func:`copy_spans`).
+    label is one of a task's copies from the prompt, where its end (:func:`copy_spans`)
+    and where its answer (the line after the end).
     """
-    rows: list[tuple[list[int], int, str, list[bool], list[bool]]] = []
+    rows: list[tuple[list[int], int, str, list[bool], list[bool], list[bool]]] = []
     longest = 0
     line_end = torch.tensor([tok.convert_tokens_to_ids("Ċ"), tok.eos_token_id])
     # One program length per batch keeps padding (wasted compute) small.
@@ -276,17 +277,19 @@ def _batch(
         offsets = encoded["offset_mapping"]
         copies = [any(a < stop and start < b for start, stop in spans) for a, b in offsets] + [False]
         stops = [end is not None and a < end[1] and end[0] < b for a, b in offsets] + [False]
+        answers = [end is not None and a >= end[1] for a, _ in offsets] + [False]
         ids = prompt + target
         if rows and max(longest, len(ids)) * (len(rows) + 1) > token_budget:
             break
-        rows.append((ids, len(prompt), kind, copies, stops))
+        rows.append((ids, len(prompt), kind, copies, stops, answers))
         longest = max(longest, len(ids))
     input_ids = torch.full((len(rows), longest), tok.pad_token_id)
     labels = torch.full((len(rows), longest), -100)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     copy = torch.zeros((len(rows), longest), dtype=torch.bool)
     end = torch.zeros((len(rows), longest), dtype=torch.bool)
-    for i, (ids, n_prompt, kind, copies, stops) in enumerate(rows):
+    answer = torch.zeros((len(rows), longest), dtype=torch.bool)
+    for i, (ids, n_prompt, kind, copies, stops, answers) in enumerate(rows):
         target = torch.tensor(ids[n_prompt:])
         if kind == "recall":
             target[torch.isin(target, name_ids)] = -100
@@ -302,7 +305,8 @@ def _batch(
         mask[i, : len(ids)] = 1
         copy[i, n_prompt : len(ids)] = torch.tensor(copies)
         end[i, n_prompt : len(ids)] = torch.tensor(stops)
-    return input_ids, labels, mask, copy, end
+        answer[i, n_prompt : len(ids)] = torch.tensor(answers)
+    return input_ids, labels, mask, copy, end, answer
 
 
 class Batches:
@@ -469,6 +473,12 @@ def main() -> None:
     p.add_argument(
         "--shuffle-names", type=float, default=0.0, help="share of task examples with their names permuted at random"
     )
+    p.add_argument(
+        "--answer-weight",
+        type=float,
+        default=1.0,
+        help="loss weight of a task's answer line (after </think>: the asked name and its value)",
+    )
     p.add_argument("--level-up", type=float, default=0.85, help="digit accuracy that raises the task level")
     p.add_argument("--lookup-gate", type=float, default=0.9, help="lookup accuracy that adds a warm-up record")
     p.add_argument("--recall", type=float, default=0.2, help="share of training-only recall examples among tasks")
@@ -542,7 +552,7 @@ def main() -> None:
     start = time.perf_counter()
     step, tokens, log_loss, log_n = 0, 0, 0.0, 0
     log_hit, log_digits, log_look, log_lookups = 0, 0, 0, 0
-    log_copied, log_copies, log_ended, log_ends = 0, 0, 0, 0
+    log_copied, log_copies, log_ended, log_ends, log_answered, log_answers = 0, 0, 0, 0, 0, 0
     # Recall-only warm-up from 2 records up, one more each time the lookup is mostly
     # right; then the tasks, one curriculum level up each step their digits are mostly
     # right. The time floor is off unless asked for (``--floor-until``): a level forced up
@@ -589,10 +599,10 @@ def main() -> None:
             # values back but cannot yet add never sees a program longer than 3 steps.
             level = max(level, min(1.0, progress / args.floor_until))
         batch = batches.next(level, pairs if warming else None)
-        input_ids, labels, mask, copy, end = (t.to(args.device, non_blocking=True) for t in batch)
+        input_ids, labels, mask, copy, end, answer = (t.to(args.device, non_blocking=True) for t in batch)
         with autocast:
             out = model(input_ids=input_ids, attention_mask=mask)
-        weight = 1 + (args.copy_weight - 1) * copy + (args.end_weight - 1) * end
+        weight = 1 + (args.copy_weight - 1) * copy + (args.end_weight - 1) * end + (args.answer_weight - 1) * answer
         loss = weighted_loss(out.logits, labels, weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -614,6 +624,8 @@ def main() -> None:
             look, n_lookups = int((right & lookups).sum()), int(lookups.sum())
             log_copied, log_copies = log_copied + int((right & copy[:, 1:]).sum()), log_copies + int(copy.sum())
             log_ended, log_ends = log_ended + int((right & end[:, 1:]).sum()), log_ends + int(end.sum())
+            log_answered += int((right & answer[:, 1:]).sum())
+            log_answers += int(answer.sum())
             log_hit, log_digits = log_hit + hit, log_digits + n_digits
             log_look, log_lookups = log_look + look, log_lookups + n_lookups
             digit_ema = 0.95 * digit_ema + 0.05 * hit / max(1, n_digits)
@@ -624,12 +636,13 @@ def main() -> None:
                 f"{now / 60:5.1f} min step {step} loss {log_loss / log_n:.4f} "
                 f"digits {log_hit / max(1, log_digits):.3f} lookups {log_look / max(1, log_lookups):.3f} "
                 f"copies {log_copied / max(1, log_copies):.3f} ends {log_ended / max(1, log_ends):.3f} "
+                f"answers {log_answered / max(1, log_answers):.3f} "
                 f"{f'records {pairs}' if pairs <= args.recall_pairs else f'level {level:.2f}'} lr {lr:.2e} "
                 f"{tokens / now:.0f} tok/s ({tokens / 1e6:.2f}M tokens)",
                 flush=True,
             )
             log_loss, log_n, log_hit, log_digits, log_look, log_lookups = 0.0, 0, 0, 0, 0, 0
-            log_copied, log_copies, log_ended, log_ends = 0, 0, 0, 0
+            log_copied, log_copies, log_ended, log_ends, log_answered, log_answers = 0, 0, 0, 0, 0, 0
             last_log = time.perf_counter()
         if args.save_every and time.perf_counter() - last_save > 60 * args.save_every:
             _save(model, tok, args.out)
