@@ -73,6 +73,41 @@ def test_generate_takes_the_tasks_operator(tiny: Path) -> None:
     assert bad.exit_code != 0 and "Difficulty.op='mul' is invalid" in bad.output
 
 
+def test_the_operator_defaults_to_the_models_own(tiny: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from kvllm.cli.options import trained_op
+    from kvllm.eval.tasks import SHIFT
+
+    # No training.json (or one from before --op existed): add, the only operator then.
+    assert trained_op(tiny) == "add"
+    shifted = tmp_path / "shifted"
+    shutil.copytree(tiny, shifted)
+    (shifted / "training.json").write_text(json.dumps({"args": {"op": "shift", "minutes": "1"}}))
+    assert trained_op(shifted) == "shift"
+    args = [
+        "generate",
+        "--task",
+        "trace",
+        "--n-tasks",
+        "1",
+        "--steps",
+        "3",
+        "--max-new-tokens",
+        "2",
+        "--method",
+        "none",
+    ]
+    for model, shift in ((shifted, True), (tiny, False)):
+        result = runner.invoke(app, [*args, "--model", str(model)])
+        assert result.exit_code == 0, result.output
+        assert (f" {SHIFT} " in result.output) == shift
+    # An explicit --op wins over the model's.
+    result = runner.invoke(app, [*args, "--model", str(shifted), "--op", "add"])
+    assert result.exit_code == 0 and f" {SHIFT} " not in result.output
+
+
 def test_generate_rejects_bad_config(tiny: Path) -> None:
     result = runner.invoke(app, ["generate", "--model", str(tiny), "--retention", "0", "a prompt here"])
     assert result.exit_code != 0

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kvllm.cli.options import TASK_FAMILIES, Op, console, load_model, model_path, split
+from kvllm.cli.options import TASK_FAMILIES, Op, console, load_model, model_path, split, trained_op
 from kvllm.eval.tasks import FAMILIES, TRAIN_SEEDS
 
 
@@ -21,7 +21,7 @@ def calibrate(
     family: Annotated[
         list[str], typer.Option(help="Task families the texts cycle through (repeatable or commas).")
     ] = TASK_FAMILIES,
-    op: Op = "add",
+    op: Op = None,
 ) -> None:
     """Compute MODEL's Q-Filters and write them to --out, for --method qfilter.
 
@@ -29,7 +29,7 @@ def calibrate(
     (the first N from 1,000,000, the families in turn): never a development or test seed,
     so no evaluated problem is seen. 32 texts of the trace families (about 1,000 tokens
     each) run through the model twice, once for the directions and once for their signs.
-    --op gives the tasks the operator MODEL was trained on (its card).
+    --op gives the tasks an operator; by default, the one MODEL was trained on.
     Pass the file as params={"calibration": PATH}, --param qfilter:calibration=PATH or
     --calibration PATH (kvllm eval), --kv-calibration PATH (kvllm serve).
     """
@@ -45,11 +45,12 @@ def calibrate(
             raise typer.BadParameter(f"--family {f!r} is invalid: must be one of {', '.join(FAMILIES)}")
     if n < 1:
         raise typer.BadParameter(f"--n {n} is invalid: must be >= 1")
+    path = model_path(model)
+    op = op or trained_op(path)
     try:
         difficulties = {f: replace(default_difficulty(f), op=op) for f in families}
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
-    path = model_path(model)
     tok, lm = load_model(path)
     picked = [families[i % len(families)] for i in range(n)]
     tasks = [make_task(f, TRAIN_SEEDS.start + i, difficulties[f]) for i, f in enumerate(picked)]

@@ -23,6 +23,7 @@ from kvllm.cli.options import (
     parse_params,
     progress,
     split,
+    trained_op,
 )
 from kvllm.eval.grid import FORCED_ONLY
 from kvllm.eval.tasks import FAMILIES
@@ -49,7 +50,7 @@ def evaluate(
         int | None, typer.Option(help="Constants per program; default 12 (reason: 6).", show_default=False)
     ] = None,
     depth: Annotated[float, typer.Option(help="prompt-needle depth in [0, 1].")] = 0.5,
-    op: Op = "add",
+    op: Op = None,
     math_jsonl: Annotated[list[Path] | None, typer.Option(help="MATH/AIME jsonl files instead of tasks.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Math problems: generation budget.")] = 4096,
     samples: Annotated[int, typer.Option(help="Samples per problem.")] = 1,
@@ -123,6 +124,7 @@ def evaluate(
     for f in families:
         if f not in FAMILIES:
             raise typer.BadParameter(f"--family {f!r} is invalid: must be one of {', '.join(FAMILIES)}")
+    op = op or trained_op(model)
     try:
         difficulties = {f: family_difficulty(f, constants, steps, depth, op) for f in families}
     except ValueError as err:

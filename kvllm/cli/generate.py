@@ -24,6 +24,7 @@ from kvllm.cli.options import (
     model_path,
     parse_params,
     progress,
+    trained_op,
 )
 from kvllm.eval.tasks import FAMILIES
 
@@ -33,7 +34,7 @@ def generate(
     task: Annotated[str | None, typer.Option(help=f"Instead of PROMPTS: held-out tasks of {FAMILIES}.")] = None,
     n_tasks: Annotated[int, typer.Option(help="With --task: how many (seeds 0..n-1).")] = 2,
     steps: Annotated[int, typer.Option(help="With --task: program steps (CoT about 18 tokens each).")] = 30,
-    op: Op = "add",
+    op: Op = None,
     model: Model = None,
     backend: Annotated[Backend, typer.Option(help="hf (transformers reference) or vllm (KvLLM proper).")] = Backend.hf,
     method: Annotated[str, typer.Option(help="Selection method, or 'none' for Full KV.")] = D.method,
@@ -62,7 +63,7 @@ def generate(
     if task is not None and task not in FAMILIES:
         raise typer.BadParameter(f"--task {task!r} is invalid: must be one of {', '.join(FAMILIES)}")
     try:
-        difficulty = Difficulty(constants=8, steps=steps, op=op)
+        difficulty = Difficulty(constants=8, steps=steps, op=op or trained_op(model))
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
     tasks = [make_task(task, s, difficulty) for s in range(n_tasks)] if task else []

@@ -49,8 +49,12 @@ Period = Annotated[int, typer.Option(help="Period P: a round every P of a sequen
 Policy = Annotated[str, typer.Option(help=f"When to compress: {', '.join(POLICIES)}.")]
 Param = Annotated[list[str] | None, typer.Option(help="A method parameter, KEY=VALUE (repeatable), e.g. rho=0.4.")]
 Op = Annotated[
-    str,
-    typer.Option(help="The tasks' operator: add (+/- mod 100) or shift, for a model trained on it (its card)."),
+    str | None,
+    typer.Option(
+        help="The tasks' operator: add (+/- mod 100) or shift; default: the one the model was trained on "
+        "(its training.json), else add.",
+        show_default=False,
+    ),
 ]
 
 
@@ -98,6 +102,19 @@ def model_path(model: Path | None) -> Path:
     if str(model) in shipped():
         return shipped_path(str(model))
     raise typer.BadParameter(f"--model {model} is not a model directory or a shipped model ({', '.join(shipped())})")
+
+
+def trained_op(model: Path | None) -> str:
+    """The tasks' operator ``model`` was trained on: ``tools/train_reasoner.py``'s ``--op``
+    in the model's ``training.json``, or ``add``, the only one before ``--op`` existed.
+
+    A model scores nothing on tasks of an operator it never learned: its arithmetic, and
+    so every read of a result, is then wrong from the first step.
+    """
+    summary = model_path(model) / "training.json"
+    if not summary.exists():
+        return "add"
+    return json.loads(summary.read_text())["args"].get("op", "add")
 
 
 def model_or_shape(model: Path | None, shape: str | None) -> Path:
