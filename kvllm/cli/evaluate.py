@@ -83,7 +83,7 @@ def evaluate(
 ) -> None:
     """Accuracy vs retention for every method: exact match, lookup fidelity, memory held;
     tables, CSV/JSON and plots. Resumes."""
-    from kvllm.eval.grid import cells, run_grid
+    from kvllm.eval.grid import StoredCellsMismatch, cells, run_grid
     from kvllm.eval.math_data import load_math
     from kvllm.eval.problems import task_problems
     from kvllm.eval.report import (
@@ -139,11 +139,14 @@ def evaluate(
     with progress() as bar:
         job = bar.add_task("eval", total=total)
         sampling = {"samples": samples, "temperature": temperature, "top_p": top_p}
-        results = run_grid(
-            lm, tok, problems, methods, retentions, base, out, batch_size=batch_size, **sampling,
-            mode=mode, params=params,
-            on_progress=lambda name, k: bar.update(job, advance=k, description=name),
-        )  # fmt: skip
+        try:
+            results = run_grid(
+                lm, tok, problems, methods, retentions, base, out, batch_size=batch_size, **sampling,
+                mode=mode, params=params,
+                on_progress=lambda name, k: bar.update(job, advance=k, description=name),
+            )  # fmt: skip
+        except StoredCellsMismatch as err:
+            raise typer.BadParameter(str(err), param_hint="--out") from err
     free = any(r.mode == "free" for r in results)  # exact match is a free-running grade
     if free:
         plot_accuracy(results, out / "accuracy.png", title=f"W={window} b={buffer} P={period}")

@@ -25,6 +25,7 @@ Only the forced modes can run the ``oracle`` and ``bound`` selectors
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,14 @@ from kvllm.config import CompressionConfig
 from kvllm.eval.problems import Problem
 
 FULL = "full"
+# A folder's stored cells resume only for the model that computed them.
+MODEL_FILE = "model.json"
+
+
+class StoredCellsMismatch(ValueError):
+    """An output folder holds cells that another model or other params computed."""
+
+
 ORACLE = "oracle"
 BOUND = "bound"
 #: Selectors that read the forced sequence (kvllm.eval.oracle, kvllm.eval.bound): they
@@ -326,6 +335,7 @@ def run_grid(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.jsonl"
     done = load_results(path)
+    _check_model(out_dir, model, stored=bool(done))
     wanted = cells(methods, retentions, list(problems), mode)
     for m in (m for m in FORCED_ONLY if params and params.get(m)):
         raise ValueError(f"the {m} takes no params")
@@ -339,7 +349,7 @@ def run_grid(
             config = base.replace(method="kara" if forced_only else method, retention=retention, params=overrides)
         if key in done:
             if done[key].params != _resolved(method, config):
-                raise ValueError(
+                raise StoredCellsMismatch(
                     f"{out_dir / 'results.jsonl'} holds {method} r={retention} {family} {cell_mode} run with params "
                     f"{done[key].params}, not {_resolved(method, config)}: use another output folder"
                 )
@@ -378,6 +388,41 @@ def run_grid(
     results = list(done.values())
     write_tables(results, out_dir)
     return results
+
+
+def model_fingerprint(model) -> str:
+    """SHA-256 of a model's weights: names, shapes, dtypes and bytes, in name order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+        # As bytes, whatever the dtype (numpy has no bfloat16).
+        digest.update(tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _check_model(out_dir: Path, model, stored: bool) -> None:
+    """Refuse to resume ``out_dir`` with another model than the one its cells were run with.
+
+    The cell key holds no model, so without this a shipped model retrained in place would
+    resume its predecessor's cells and report them as its own. The first run writes the
+    model's :func:`model_fingerprint` to ``model.json``; a folder of cells from before
+    that file existed has none and is resumed unchecked (and left without one: which
+    model ran it is not known here).
+    """
+    path = out_dir / MODEL_FILE
+    fingerprint = model_fingerprint(model)
+    if path.exists():
+        recorded = json.loads(path.read_text())
+        if recorded["sha256"] != fingerprint:
+            raise StoredCellsMismatch(
+                f"{out_dir} holds cells of another model ({recorded.get('model', '?')}, weights sha256 "
+                f"{recorded['sha256'][:12]}), not of this one ({fingerprint[:12]}): use another output folder"
+            )
+    elif not stored:
+        name = str(getattr(model.config, "_name_or_path", ""))
+        path.write_text(json.dumps({"model": name, "sha256": fingerprint}, indent=2) + "\n")
 
 
 def _resolved(method: str, config: CompressionConfig | None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvllm.cli import app
-from kvllm.eval.grid import FULL, cells, load_results
+from kvllm.eval.grid import FULL, MODEL_FILE, cells, load_results
 from kvllm.testing import save_tiny_model
 
 
@@ -84,6 +84,15 @@ def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -
         (FULL, 1.0, "trace", "free", 32, 8),
         *((m, 0.25, "trace", "free", 32, 8) for m in ("kara", "snapkv")),
     }
+    # Another model's weights (the same shape and name, retrained in place, say) do not
+    # resume this model's cells: the folder records which weights ran them.
+    recorded = json.loads((out / MODEL_FILE).read_text())
+    assert recorded["model"] == str(tiny) and len(recorded["sha256"]) == 64
+    other = save_tiny_model(tmp_path / "other", seed=1)
+    swapped = CliRunner().invoke(app, [*args[:2], str(other), *args[3:]])
+    assert swapped.exit_code != 0
+    assert "holds cells of another model" in " ".join(swapped.output.replace("│", " ").split())
+    assert (out / "results.jsonl").read_text().splitlines() == lines
 
 
 def test_eval_rejects_bad_grid(tiny: Path, tmp_path: Path) -> None:
