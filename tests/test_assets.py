@@ -3,7 +3,8 @@
 Regression guards against a broken model file or tokenizer, with floors set below what
 each model measured (its card and ``docs/accuracy.md``): the default model reads values
 back (teacher-forced) and answers held-out prompt-needle tasks with Full KV; the second
-model (issue 22) has another shape and reads back the reason family's own chains.
+model (issue 22) has another shape, reads back the reason family's own chains, and
+writes its own chains of its own operator (shift) and stops at their end.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ SECOND_MODEL = "kara-reasoner-6l"
 EASY = Difficulty(constants=4, steps=10)
 LOOKUP_FLOOR = 0.85
 NEEDLE_FLOOR = 0.5
-# The second model reads 0.988 (reason) and 1.000 (trace) of 64 forced chains' values back.
+# The second model reads 1.000 of its own free reason and trace chains' values back (its card).
 SECOND_READ_FLOOR = 0.95
 
 
@@ -128,18 +129,31 @@ def test_full_kv_prompt_needle_floor(default) -> None:
     assert sum(correct) / len(correct) >= NEEDLE_FLOOR, correct
 
 
-@pytest.mark.parametrize("family", ["reason", "trace"])
-def test_second_model_reads_the_tasks_own_chains_back(second, family: str) -> None:
-    """Reference-forced, Full KV: the model's argmax at each generated read spells its value.
+def test_second_model_was_trained_on_the_shift() -> None:
+    """Its tasks' operator, which ``kvllm eval`` and ``generate`` read from ``training.json``."""
+    from kvllm.cli.options import trained_op
 
-    The second model cannot write these chains (its card), so it is graded, as in the
-    grid of ``docs/accuracy.md``, on the tasks' own chains forced through its cache.
-    """
+    assert trained_op(model_path(SECOND_MODEL)) == "shift"
+    assert trained_op(model_path(DEFAULT_MODEL)) == "add"
+
+
+@pytest.mark.parametrize("family", ["reason", "trace"])
+@pytest.mark.parametrize("forced", [True, False], ids=["reference-forced", "free"])
+def test_second_model_reads_chains_back(second, family: str, forced: bool) -> None:
+    """Full KV: the model's argmax at each generated read spells its value, in the tasks'
+    own chains forced through its cache (as in ``docs/accuracy.md``'s grid) and in its
+    own free chains, which must also stop at the program's end with the answer."""
     model, tok = second
     steps = 24
-    problems = task_problems(family, 4, Difficulty(constants=6, steps=steps), tok)
-    forced = [tok(p.reference, add_special_tokens=False)["input_ids"] for p in problems]
-    records = run_accuracy_cell(model, tok, problems, None, batch_size=4, forced=forced)
+    problems = task_problems(family, 4, Difficulty(constants=6, steps=steps, op="shift"), tok)
+    chains = [tok(p.reference, add_special_tokens=False)["input_ids"] for p in problems] if forced else None
+    records = run_accuracy_cell(model, tok, problems, None, batch_size=4, forced=chains)
     reads = sum(r["reads"]["generated"] for r in records)
     assert reads >= 2 * 4 * steps // 3  # a third of the operands, at least, are values the chain wrote
     assert sum(r["right"]["generated"] for r in records) / reads >= SECOND_READ_FLOOR
+    if not forced:
+        # Each free chain writes the program's statements and stops; trace asks for the last
+        # value, which it answers (16 of 16 test seeds at 48 steps); reason asks for the first.
+        assert all(r["results"] == steps for r in records), [r["results"] for r in records]
+        if family == "trace":
+            assert sum(r["correct"] for r in records) >= 3

@@ -421,8 +421,17 @@ def _check_model(out_dir: Path, model, stored: bool) -> None:
                 f"{recorded['sha256'][:12]}), not of this one ({fingerprint[:12]}): use another output folder"
             )
     elif not stored:
-        name = str(getattr(model.config, "_name_or_path", ""))
-        path.write_text(json.dumps({"model": name, "sha256": fingerprint}, indent=2) + "\n")
+        path.write_text(json.dumps({"model": _model_name(model), "sha256": fingerprint}, indent=2) + "\n")
+
+
+def _model_name(model) -> str:
+    """A shipped model's name, else the path it was loaded from (``model.json``'s label)."""
+    from kvllm.assets import model_path, shipped
+
+    loaded = Path(str(getattr(model.config, "_name_or_path", "")))
+    if loaded.name in shipped() and loaded.resolve() == model_path(loaded.name).resolve():
+        return loaded.name
+    return str(loaded)
 
 
 def _resolved(method: str, config: CompressionConfig | None) -> dict[str, Any]:
