@@ -175,7 +175,7 @@ ACCURACY = [
     ),
     Claim(
         "Kara at r=0.2: memory held, fidelity and its 95% bootstrap CI",
-        "At W=128, b=32, r=0.2 ({} of the generated tokens' KV held), Kara reads back {} [95% CI {}-{}]",
+        "At W=128, b=32, r=0.2 ({} of the generated tokens' KV held), Kara reads back {} [95% CI {}-{}]: above H2O",
         LOOKUP,
         lambda: (
             lookup()[("kara", "teacher-forced", 0.2)]["held_mean"],
@@ -294,7 +294,7 @@ SECOND_TESTBED = [
     Claim(
         # The README's "excluding 0" holds while no baseline's Kara-minus interval reaches 0: the count is 0.
         "second testbed: how many of the four baselines' paired intervals reach 0",
-        "paired intervals excluding {}",
+        "paired intervals excluding {}, and above its causal ablation",
         REFERENCE,
         lambda: (
             sum(reference()[(m, 0.2)]["vs_reference"][1] <= 0 for m in ("snapkv", "adakv", "chunkkv", "pyramidkv")),
@@ -470,18 +470,26 @@ def unlisted_methods(readme: str) -> list[str]:
 
 def check(readme: str, claims: Sequence[Claim] = CLAIMS) -> list[str]:
     """One message per number of ``readme`` that its stored files do not give, per
-    claim whose sentence the README no longer has, and per registered method its layout
-    table does not list."""
+    claim whose sentence the README no longer has or has more than once, and per
+    registered method its layout table does not list."""
     problems = [f"layout table: the {METHODS_ROW} row does not list `{m}`" for m in unlisted_methods(readme)]
     text = " ".join(readme.split())  # line breaks fall anywhere in a paragraph
     for claim in claims:
-        match = claim.pattern.search(text)
-        if match is None:
+        matches = list(claim.pattern.finditer(text))
+        if not matches:
             problems.append(
                 f"{claim.name}: the README no longer says {claim.template!r} "
                 "(reworded? update its claim in tools/check_docs.py)"
             )
             continue
+        if len(matches) > 1:
+            # Two sentences fit: the check would read the first, whichever the claim means.
+            problems.append(
+                f"{claim.name}: the README says {claim.template!r} {len(matches)} times "
+                "(lengthen the claim's template in tools/check_docs.py until it fits one)"
+            )
+            continue
+        (match,) = matches
         values = list(claim.values())
         if len(values) != len(match.groups()):
             problems.append(
