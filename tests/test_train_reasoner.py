@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
@@ -129,9 +130,24 @@ def test_batches_from_workers_are_batches_of_the_same_kind() -> None:
     assert [t.dtype for t in worker] == [t.dtype for t in direct]
     input_ids, labels, _, copy, end, _ = worker
     assert input_ids.numel() <= 4096 and copy.any() and end.any() and not ((copy | end) & (labels == -100)).any()
-    # The warm-up's records reach the worker: its batches are then recall examples (no copies).
     # The warm-up's records reach the worker: then its batches (after the queued ones)
     # are recall examples, which copy nothing.
     warm = [batches.next(0.0, 2)[3] for _ in range(4)]
     batches.close()
     assert not warm[-1].any()
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--workers=-1", "--workers -1 is invalid: must be >= 0"),
+        ("--shuffle-names=1.5", "--shuffle-names 1.5 is invalid: must be in [0, 1]"),
+    ],
+)
+def test_bad_flags_fail_at_start_naming_the_range(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path, flag: str, message: str
+) -> None:
+    monkeypatch.setattr("sys.argv", ["train_reasoner.py", "--out", str(tmp_path), flag])
+    with pytest.raises(SystemExit):
+        train_reasoner.main()
+    assert message in capsys.readouterr().err

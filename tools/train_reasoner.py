@@ -334,8 +334,7 @@ class Batches:
 
     def next(self, level: float, pairs: int | None) -> tuple[torch.Tensor, ...]:
         if not self.processes:
-            budget = self.budgets[pairs is not None]
-            return _batch(rng=self.rng, token_budget=budget, level=level, pairs=pairs, **self.fixed)
+            return _sized_batch(self.rng, self.budgets, level, pairs, self.fixed)
         self.level.value, self.pairs.value = level, pairs or 0
         return tuple(map(torch.from_numpy, self.queue.get()))
 
@@ -344,13 +343,19 @@ class Batches:
             process.terminate()
 
 
+def _sized_batch(
+    rng: random.Random, budgets: tuple[int, int], level: float, pairs: int | None, fixed: dict
+) -> tuple[torch.Tensor, ...]:
+    """:func:`_batch` at the task budget, or at the warm-up's when its records are given."""
+    return _batch(rng=rng, token_budget=budgets[pairs is not None], level=level, pairs=pairs, **fixed)
+
+
 def _make_batches(seed: int, budgets: tuple[int, int], fixed: dict, level, pairs, queue) -> None:
     """A worker of :class:`Batches`: batches, as numpy arrays (plain pickles), into ``queue``."""
     torch.set_num_threads(1)
     rng = random.Random(seed)
     while True:
-        records = pairs.value or None
-        batch = _batch(rng=rng, token_budget=budgets[records is not None], level=level.value, pairs=records, **fixed)
+        batch = _sized_batch(rng, budgets, level.value, pairs.value or None, fixed)
         queue.put(tuple(t.numpy() for t in batch))
 
 
@@ -506,6 +511,10 @@ def main() -> None:
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown or not families:
         p.error(f"--families {args.families!r} is invalid: must name some of {', '.join(FAMILIES)}")
+    if args.workers < 0:
+        p.error(f"--workers {args.workers} is invalid: must be >= 0")
+    if not 0.0 <= args.shuffle_names <= 1.0:
+        p.error(f"--shuffle-names {args.shuffle_names} is invalid: must be in [0, 1]")
 
     tok = (
         build_tokenizer(args.vocab, args.seed, families, args.op)

@@ -39,12 +39,6 @@ from kvllm.eval.problems import Problem
 FULL = "full"
 # A folder's stored cells resume only for the model that computed them.
 MODEL_FILE = "model.json"
-
-
-class StoredCellsMismatch(ValueError):
-    """An output folder holds cells that another model or other params computed."""
-
-
 ORACLE = "oracle"
 BOUND = "bound"
 #: Selectors that read the forced sequence (kvllm.eval.oracle, kvllm.eval.bound): they
@@ -101,6 +95,10 @@ class CellResult:
     def read_counts(self, source: str = "generated") -> tuple[list[int], list[int]]:
         """Per problem, the reads of ``source`` (generated or prompt) graded right, and all of them."""
         return [p["right"][source] for p in self.problems], [p["reads"][source] for p in self.problems]
+
+
+class StoredCellsMismatch(ValueError):
+    """An output folder holds cells that another model or other params computed."""
 
 
 def cells(
