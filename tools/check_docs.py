@@ -246,7 +246,7 @@ ACCURACY = [
 
 HEADLINE = "docs/throughput/results.csv, docs/throughput/c128/results.jsonl"
 # Issue 22's second testbed: the second model on reason, reference-forced (docs/accuracy.md, "Side by side").
-REFERENCE = "docs/accuracy/reference/6l/results.jsonl"
+REFERENCE = "docs/accuracy/reference-stage3/6l/results.jsonl"
 
 
 @cache

@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 from kvllm import CompressionConfig
-from kvllm.cli.options import load_model
+from kvllm.cli.options import load_model, trained_op
 from kvllm.eval.grid import run_grid
 from kvllm.eval.problems import task_problems
 from kvllm.eval.stats import bootstrap_ratio, paired_difference
@@ -176,6 +176,15 @@ def label(method: str, params: dict, window: int, buffer: int) -> str:
     return method + (" " + " ".join(knobs) if knobs else " (default)")
 
 
+def sweep_difficulty(family: str, model: Path | None) -> Difficulty:
+    """Trace as in the grid (48 steps, 8 constants), reason at its defaults, each on the
+    operator ``model`` was trained on, as in ``kvllm eval``: on another one its arithmetic,
+    and the reads of its results, fail (stage 11a's first sweep ran on ``add``, which it
+    never learned, and Full KV read back 0.891 of the values instead of 1.000)."""
+    difficulty = Difficulty(constants=8, steps=48) if family == "trace" else default_difficulty(family)
+    return dataclasses.replace(difficulty, op=trained_op(model))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("dev-sweep"))
@@ -191,7 +200,7 @@ def main() -> None:
     only = set(filter(None, args.methods.split(",")))
 
     tok, lm = load_model(args.model)
-    difficulty = Difficulty(constants=8, steps=48) if args.family == "trace" else default_difficulty(args.family)
+    difficulty = sweep_difficulty(args.family, args.model)
     problems = {args.family: task_problems(args.family, args.n, difficulty, tok, DEV_FIRST_SEED)}
     full_dir = args.out / "full"
     # Teacher-forced cells force the free Full-KV cell's completions (shared below);
@@ -224,6 +233,7 @@ def main() -> None:
         print(json.dumps({"variant": name, "fidelity": cell.fidelity_generated, "held": cell.held_mean}), flush=True)
     lines = [
         f"Development seeds {DEV_FIRST_SEED}-{DEV_FIRST_SEED + args.n - 1}, {args.family} {difficulty.steps} steps, "
+        f"op {difficulty.op}, "
         f"{args.mode}, model {args.model or 'shipped'}, "
         f"r={args.retention}, P=16. Full KV: {full.fidelity_generated:.3f}. Non-modal: the reads off each "
         "chain's modal value (kvllm/eval/lookup.py).",
