@@ -245,8 +245,9 @@ ACCURACY = [
 ]
 
 HEADLINE = "docs/throughput/results.csv, docs/throughput/c128/results.jsonl"
-# Issue 22's second testbed: the second model on reason, reference-forced (docs/accuracy.md, "Side by side").
-REFERENCE = "docs/accuracy/reference-stage3/6l/results.jsonl"
+# Issue 22's second testbed: the shipped second model (stage 11a) on reason, reference-forced
+# (docs/accuracy.md, "Side by side"; stage 3's grid is in docs/accuracy/reference-stage3/).
+REFERENCE = "docs/accuracy/reference/6l/results.jsonl"
 
 
 @cache
@@ -328,6 +329,12 @@ SECOND_TESTBED = [
             sum(free_6l()[(m, 0.2)]["vs_reference"][1] <= 0 for m in BASELINES),
             free_6l()[("kara", 0.2)]["fidelity"] / free_6l()[("full", 1.0)]["fidelity"],
         ),
+    ),
+    Claim(
+        "second testbed, free-running on stage 11a: kara-topk and Kara at r=0.2 ((d)'s evidence)",
+        "forced and free-running ({} against {})",
+        FREE_6L,
+        lambda: (free_6l()[("kara-topk", 0.2)]["fidelity"], free_6l()[("kara", 0.2)]["fidelity"]),
     ),
     Claim(
         "second testbed: PyramidKV at r=0.1 holds what Kara holds at r=0.2, and what it reads",
