@@ -20,8 +20,9 @@ METHODS=kara,kara-causal,kara-topk,snapkv,pyramidkv,adakv,chunkkv,h2o,streamingl
 CLAIMS=kara,kara-causal,kara-topk,snapkv,pyramidkv,adakv,chunkkv
 FRONTIER=kara,kara-topk,snapkv,pyramidkv,adakv,chunkkv
 # The second model's development sweep (docs/accuracy/reference/6l-dev-sweep.md: tools/dev_sweep.py
-# --variants second-model, 32 development seeds, r=0.2), each method's best non-modal variant.
-TUNED="--param kara:max_gap=4 --param snapkv:obs_window=64 --param chunkkv:chunk_size=2 --param chunkkv:obs_window=96
+# --variants second-model --batch-size 8, 32 development seeds, r=0.2, on stage 11a in session 21),
+# each method's best non-modal variant (Kara's rho=0.75 ties rho=0.75 max_gap=4; the first listed).
+TUNED="--param kara:rho=0.75 --param snapkv:obs_window=64 --param chunkkv:chunk_size=2
   --param pyramidkv:obs_window=64 --param adakv:obs_window=64"
 # Trace as in tools/accuracy_grid.sh (48 steps, 8 constants); reason at its defaults (84, 6).
 TRACE=(--family trace --steps 48 --constants 8)
