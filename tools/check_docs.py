@@ -252,16 +252,10 @@ TUNED_REFERENCE = "docs/accuracy/reference/6l-tuned/results.jsonl"
 
 
 @cache
-def reference() -> dict[tuple[str, float], dict[str, Any]]:
-    """The second model's reference-forced reason cells (:func:`accuracy_rows`), by (method, r)."""
-    rows = accuracy_rows(REFERENCE, "reason").items()
-    return {(m, r): row for (m, mode, r), row in rows if mode == "reference-forced"}
-
-
-@cache
-def tuned_reference() -> dict[tuple[str, float], dict[str, Any]]:
-    """The same with each baseline at its development-sweep knobs (tools/reference_grid.sh's tuned stage)."""
-    rows = accuracy_rows(TUNED_REFERENCE, "reason").items()
+def reference(path: str = REFERENCE) -> dict[tuple[str, float], dict[str, Any]]:
+    """The second model's reference-forced reason cells (:func:`accuracy_rows`), by (method, r):
+    at reference defaults, or tuned from ``TUNED_REFERENCE``."""
+    rows = accuracy_rows(path, "reason").items()
     return {(m, r): row for (m, mode, r), row in rows if mode == "reference-forced"}
 
 
@@ -351,7 +345,7 @@ SECOND_TESTBED = [
         lambda: (
             reference()[("pyramidkv", 0.1)]["held_mean"],
             reference_fidelity("pyramidkv", 0.1),
-            tuned_reference()[("pyramidkv", 0.1)]["fidelity"],
+            reference(TUNED_REFERENCE)[("pyramidkv", 0.1)]["fidelity"],
         ),
     ),
 ]
