@@ -274,6 +274,12 @@ def free_6l() -> dict[tuple[str, float], dict[str, Any]]:
     return {(m, r): row for (m, mode, r), row in accuracy_rows(FREE_6L, "reason").items() if mode == "free"}
 
 
+@cache
+def teacher_forced_6l() -> dict[tuple[str, float], dict[str, Any]]:
+    """The shipped second model's teacher-forced reason cells (Full KV's own chains forced), by (method, r)."""
+    return {(m, r): row for (m, mode, r), row in accuracy_rows(FREE_6L, "reason").items() if mode == "teacher-forced"}
+
+
 SECOND_TESTBED = [
     Claim(
         "second testbed: Full KV's forced generated-read fidelity",
@@ -330,6 +336,25 @@ SECOND_TESTBED = [
             *(free_6l()[(m, 0.2)]["fidelity"] for m in BASELINES[1:]),
             sum(free_6l()[(m, 0.2)]["vs_reference"][1] <= 0 for m in BASELINES),
             free_6l()[("kara", 0.2)]["fidelity"] / free_6l()[("full", 1.0)]["fidelity"],
+        ),
+    ),
+    Claim(
+        "second testbed, free-running on stage 11a: how many of the four baselines' paired intervals reach 0 at "
+        "r=0.1 and 0.5",
+        "Free-running at r=0.1 and 0.5 too, Kara is above all four, with {} of the eight paired intervals reaching 0",
+        FREE_6L,
+        lambda: (sum(free_6l()[(m, r)]["vs_reference"][1] <= 0 for m in BASELINES for r in (0.1, 0.5)),),
+    ),
+    Claim(
+        "second testbed, teacher-forced on stage 11a: Kara at r=0.2 (memory held), the four baselines",
+        "Teacher-forced on Full KV's own chains, Kara at r=0.2 reads back {} (holding {}): above SnapKV {}, AdaKV {} "
+        "and ChunkKV {}, below PyramidKV {} (holding {})",
+        FREE_6L,
+        lambda: (
+            teacher_forced_6l()[("kara", 0.2)]["fidelity"],
+            teacher_forced_6l()[("kara", 0.2)]["held_mean"],
+            *(teacher_forced_6l()[(m, 0.2)]["fidelity"] for m in ("snapkv", "adakv", "chunkkv", "pyramidkv")),
+            teacher_forced_6l()[("pyramidkv", 0.2)]["held_mean"],
         ),
     ),
     Claim(
