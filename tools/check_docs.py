@@ -252,11 +252,14 @@ TUNED_REFERENCE = "docs/accuracy/reference/6l-tuned/results.jsonl"
 
 
 @cache
+def reason_cells(path: str, mode: str) -> dict[tuple[str, float], dict[str, Any]]:
+    """The reason cells of one mode in ``path`` (:func:`accuracy_rows`), by (method, r)."""
+    return {(m, r): row for (m, cell_mode, r), row in accuracy_rows(path, "reason").items() if cell_mode == mode}
+
+
 def reference(path: str = REFERENCE) -> dict[tuple[str, float], dict[str, Any]]:
-    """The second model's reference-forced reason cells (:func:`accuracy_rows`), by (method, r):
-    at reference defaults, or tuned from ``TUNED_REFERENCE``."""
-    rows = accuracy_rows(path, "reason").items()
-    return {(m, r): row for (m, mode, r), row in rows if mode == "reference-forced"}
+    """The second model's reference-forced reason cells: at reference defaults, or tuned from ``TUNED_REFERENCE``."""
+    return reason_cells(path, "reference-forced")
 
 
 def reference_fidelity(method: str, retention: float = 0.2) -> float:
@@ -268,16 +271,10 @@ FREE_6L = "docs/accuracy/free-6l/results.jsonl"
 BASELINES = ("pyramidkv", "snapkv", "adakv", "chunkkv")
 
 
-@cache
-def free_6l() -> dict[tuple[str, float], dict[str, Any]]:
-    """The shipped second model's free-running reason cells (:func:`accuracy_rows`), by (method, r)."""
-    return {(m, r): row for (m, mode, r), row in accuracy_rows(FREE_6L, "reason").items() if mode == "free"}
-
-
-@cache
-def teacher_forced_6l() -> dict[tuple[str, float], dict[str, Any]]:
-    """The shipped second model's teacher-forced reason cells (Full KV's own chains forced), by (method, r)."""
-    return {(m, r): row for (m, mode, r), row in accuracy_rows(FREE_6L, "reason").items() if mode == "teacher-forced"}
+def free_6l(mode: str = "free") -> dict[tuple[str, float], dict[str, Any]]:
+    """The shipped second model's reason cells on its own chains, by (method, r): free-running,
+    or ``"teacher-forced"`` (Full KV's free chains forced through each cache)."""
+    return reason_cells(FREE_6L, mode)
 
 
 SECOND_TESTBED = [
@@ -351,10 +348,10 @@ SECOND_TESTBED = [
         "and ChunkKV {}, below PyramidKV {} (holding {})",
         FREE_6L,
         lambda: (
-            teacher_forced_6l()[("kara", 0.2)]["fidelity"],
-            teacher_forced_6l()[("kara", 0.2)]["held_mean"],
-            *(teacher_forced_6l()[(m, 0.2)]["fidelity"] for m in ("snapkv", "adakv", "chunkkv", "pyramidkv")),
-            teacher_forced_6l()[("pyramidkv", 0.2)]["held_mean"],
+            free_6l("teacher-forced")[("kara", 0.2)]["fidelity"],
+            free_6l("teacher-forced")[("kara", 0.2)]["held_mean"],
+            *(free_6l("teacher-forced")[(m, 0.2)]["fidelity"] for m in ("snapkv", "adakv", "chunkkv", "pyramidkv")),
+            free_6l("teacher-forced")[("pyramidkv", 0.2)]["held_mean"],
         ),
     ),
     Claim(
