@@ -27,6 +27,7 @@ import os
 import shutil
 import struct
 import tempfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "tokens_dropped": ("counter", "KV slots removed by compression"),
     "blocks_freed": ("counter", "KV blocks returned to the pool by compression"),
     "compress_seconds": ("counter", "Worker time spent compressing"),
+    "rounds_refused": ("counter", "Compression rounds not run because they would rewrite a shared or cached KV block"),
     # Counted where the scheduler preempts; vllm:num_preemptions_total misses requests
     # aborted before their next output, which never deliver the event (docs/serving.md).
     "preemptions": ("counter", "Requests preempted by the compressing scheduler (vLLM's scheduler too)"),
@@ -67,7 +69,13 @@ def claim_directory() -> str:
 
 
 class EnginePublisher:
-    """One engine's record, written after every step (single writer)."""
+    """One engine's record, written after every step (single writer).
+
+    The record goes when the engine shuts down (:meth:`close`), when the publisher is
+    dropped without that (an engine left to the garbage collector, or its process
+    exiting), and, for a process that died without either, when a reader finds that
+    its writer's process is gone (:func:`read_totals`): a stale record is never summed.
+    """
 
     def __init__(self, directory: str, engine_index: int) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -77,6 +85,7 @@ class EnginePublisher:
         with self.path.open("r+b") as f:
             self._map = mmap.mmap(f.fileno(), _RECORD.size)
         self._sequence = 0
+        self._finalizer = weakref.finalize(self, _remove, self._map, self.path)
 
     def publish(self, values: dict[str, float]) -> None:
         self._sequence += 1  # odd: writing
@@ -86,10 +95,24 @@ class EnginePublisher:
         struct.pack_into("<Q", self._map, 0, self._sequence)
 
     def close(self) -> None:
-        if self._map.closed:
-            return
-        self._map.close()
-        self.path.unlink(missing_ok=True)
+        self._finalizer()
+
+
+def _remove(record: mmap.mmap, path: Path) -> None:
+    record.close()
+    path.unlink(missing_ok=True)
+
+
+def _writer_alive(path: Path) -> bool:
+    """Whether the process named in a record's file name (``engine-<i>-<pid>-<id>.bin``) runs."""
+    try:
+        pid = int(path.name.split("-")[2])
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, IndexError, PermissionError):  # not ours to judge: keep it
+        return True
+    return True
 
 
 def _read(path: Path) -> dict[str, float] | None:
@@ -118,6 +141,9 @@ def read_totals(directory: str | None = None) -> dict[str, float]:
     if not directory or not os.path.isdir(directory):
         return totals
     for path in sorted(Path(directory).glob("engine-*.bin")):
+        if not _writer_alive(path):
+            path.unlink(missing_ok=True)  # its engine died without closing it
+            continue
         record = _read(path)
         for k, v in (record or {}).items():
             totals[k] += v

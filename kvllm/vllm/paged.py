@@ -10,12 +10,23 @@ that op, so the ISA's packing stays the backend's business.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 from vllm import _custom_ops as ops
 
 READABLE_ISAS = ("vec", "vec16")
+
+
+def attention_isa(vllm_config: Any) -> str:
+    """The ISA vLLM's CPU attention backend will pick for this engine (it decides per
+    layer group at start-up, from the dtype, block size, head size and KV cache dtype)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    return _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
 
 
 def slots_of(block_ids: Tensor, positions: Tensor, block_size: int) -> Tensor:

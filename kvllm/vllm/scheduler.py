@@ -19,30 +19,44 @@ from typing import Any
 
 import numpy as np
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvllm.config import CompressionConfig
 from kvllm.methods import stream_seed
-from kvllm.policy import Policy, SeqState, build_policy
+from kvllm.policy import Policy, Region, SeqState, build_policy
 from kvllm.vllm import metrics
 from kvllm.vllm.admission import Footprint, admissible, project
 from kvllm.vllm.plan import Compaction, StepPlan
-from kvllm.vllm.settings import check_vllm_config, request_config
+from kvllm.vllm.settings import check_kv_cache, check_vllm_config, request_config
 
 logger = logging.getLogger(__name__)
 DROPPED = "kvllm_dropped"
 CONFIG = "kvllm_config"
 # Set on a preempted request: its recomputation compresses its generated tokens again.
 RECOMPUTE = "kvllm_recompute"
+# Set (to anything but "" or "0") to make a round that would break the shared-block
+# invariant (:func:`unsafe_blocks`) raise instead of being skipped; the tests set it.
+STRICT_ENV = "KVLLM_STRICT"
 
 
 def block_pool_used(scheduler: Scheduler) -> int:
     """KV blocks in use; block 0 is vLLM's null block, never free."""
     pool = scheduler.kv_cache_manager.block_pool
     return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+
+
+def unsafe_blocks(blocks: list[Any], start: int, end: int, block_size: int) -> list[int]:
+    """Indices of the blocks holding slots ``[start, end)`` that a round must not rewrite.
+
+    A round may rewrite a slot only in a block that its request alone holds
+    (``ref_cnt == 1``) and that carries no hash: a hashed block can be matched by any
+    later request with the same prefix, and a shared one is read by another request now.
+    """
+    last = min(cdiv(end, block_size), len(blocks))
+    return [i for i in range(start // block_size, last) if blocks[i].ref_cnt != 1 or blocks[i].block_hash is not None]
 
 
 def _startable(request: Request) -> bool:
@@ -66,6 +80,23 @@ class PhysicalKVCacheManager(KVCacheManager):
             return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
         finally:
             request.num_computed_tokens += dropped
+
+    def get_computed_blocks(self, request: Request) -> tuple[Any, int, int]:
+        """vLLM's prefix hit, capped at a compressing request's full prompt blocks.
+
+        Only prompt blocks of compressing requests are cached, but a request with
+        compression off caches its generated blocks too. A compressing request recomputed
+        after preemption, with the same prompt and the same tokens, could match those; its
+        catch-up rounds would then rewrite blocks another request can match, scoring keys
+        whose queries were never computed. Past the prompt it computes its own.
+        """
+        blocks, hit, boundary = super().get_computed_blocks(request)
+        if getattr(request, CONFIG, None) is None or hit <= request.num_prompt_tokens:
+            return blocks, hit, boundary
+        block_size = self.coordinator.single_type_managers[0].block_size
+        keep = request.num_prompt_tokens // block_size
+        capped = KVCacheBlocks(tuple(list(group[:keep]) for group in blocks.blocks))
+        return capped, keep * block_size, boundary
 
     def held_blocks(self, request_id: str) -> int:
         """KV blocks the request holds (its first group's; all groups match here)."""
@@ -141,6 +172,8 @@ class CompressionTotals:
     """Engine-wide counters (exported as metrics)."""
 
     rounds: int = 0
+    # Rounds not run because they would have rewritten a shared or cached block.
+    rounds_refused: int = 0
     preemptions: int = 0
     tokens_dropped: int = 0
     blocks_freed: int = 0
@@ -153,6 +186,8 @@ class CompressingScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kv_config = check_vllm_config(self.vllm_config)
+        if self.kv_config is not None:
+            check_kv_cache(self.kv_cache_config)
         self.kv_cache_manager.__class__ = PhysicalKVCacheManager
         if self.kv_config is not None and self.kv_cache_manager.enable_caching:
             _cap_caching(self.kv_cache_manager)
@@ -214,7 +249,7 @@ class CompressingScheduler(Scheduler):
             try:
                 params = request.sampling_params
                 config = request_config(self.kv_config, params.extra_args if params is not None else None)
-            except ValueError as err:  # validated at the API boundary; never fail the engine
+            except ValueError as err:  # refused in the frontend (kvllm/vllm/frontend.py); never fail the engine
                 logger.warning("request %s: compression off: %s", request.request_id, err)
                 config = None
             setattr(request, CONFIG, config)
@@ -252,11 +287,11 @@ class CompressingScheduler(Scheduler):
         entry = self.kv_requests.get(request.request_id)
         if entry is None:
             config = self._config(request)
-            # Everything computed before decoding starts is protected: its queries were not
-            # kept. A recomputation after preemption keeps them (docs/design.md,
-            # "Compression after preemption"): only its prompt is protected.
-            recompute = getattr(request, RECOMPUTE, False)
-            state = SeqState(prompt_len=request.num_prompt_tokens if recompute else request.num_computed_tokens)
+            # The prompt is protected, whatever chunk boundaries or prefix hits brought the
+            # request here: it is counted from the request, never inferred from what was
+            # computed (a chunk that ends one token short of the prompt leaves a one-token
+            # step that looks like decoding; issue 40).
+            state = SeqState(prompt_len=request.num_prompt_tokens)
             entry = RequestCompression(config, None if config is None else build_policy(config), state)
             self.kv_requests[request.request_id] = entry
         return entry
@@ -264,9 +299,10 @@ class CompressingScheduler(Scheduler):
     def _plan(self) -> StepPlan:
         plan = StepPlan()
         for request in self.running:
+            recompute = getattr(request, RECOMPUTE, False)
+            if not recompute and request.num_computed_tokens < request.num_prompt_tokens:
+                continue  # a prompt's prefill, its last token's step included: nothing to compress yet
             prefilling = request.num_computed_tokens < request.num_tokens - 1
-            if prefilling and not getattr(request, RECOMPUTE, False):
-                continue  # a prompt's prefill: nothing to compress yet
             entry = self._tracked(request)
             if entry.policy is None:
                 continue
@@ -275,6 +311,8 @@ class CompressingScheduler(Scheduler):
             state.logical_length = request.num_computed_tokens
             state.length = request.num_computed_tokens - dropped
             region = entry.policy.catch_up(state) if prefilling else entry.policy.plan(state)
+            if region is not None and not self._safe(request, region, state.length):
+                region = None
             if region is not None:
                 seed = stream_seed(request.prompt_token_ids or (), state.rounds)
                 plan.compactions.append(
@@ -292,6 +330,31 @@ class CompressingScheduler(Scheduler):
                 self.kv_totals.blocks_freed += freed
             plan.dropped[request.request_id] = dropped
         return plan
+
+    def _safe(self, request: Request, region: Region, length: int) -> bool:
+        """Whether a round on ``region`` rewrites only blocks ``request`` alone holds, unhashed.
+
+        A round reads ``[region.start, length)`` and rewrites ``[region.start, length -
+        region.freed)``. The scheduler keeps that true by construction (a protected prompt,
+        prompt-only caching, prompt-only prefix hits); this is the check that it stays so.
+        A round that would break it is not run: it is counted and logged once, and raises
+        under ``KVLLM_STRICT``.
+        """
+        manager = self.kv_cache_manager.coordinator.single_type_managers[0]
+        blocks = manager.req_to_blocks.get(request.request_id, [])
+        bad = unsafe_blocks(blocks, region.start, length - region.freed, self.block_size)
+        if not bad:
+            return True
+        message = (
+            f"request {request.request_id}: a round on slots [{region.start}, {length}) would rewrite "
+            f"shared or cached blocks {bad}; not run"
+        )
+        if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+            raise AssertionError(message)
+        if not self.kv_totals.rounds_refused:
+            logger.warning("%s (logged once; kvllm:rounds_refused counts them)", message)
+        self.kv_totals.rounds_refused += 1
+        return False
 
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
         seconds: dict[str, float] = getattr(model_runner_output, "kvllm_seconds", None) or {}
@@ -326,6 +389,7 @@ class CompressingScheduler(Scheduler):
             "tokens_dropped": t.tokens_dropped,
             "blocks_freed": t.blocks_freed,
             "compress_seconds": t.seconds,
+            "rounds_refused": t.rounds_refused,
             "preemptions": t.preemptions,
             "kv_logical_tokens": logical,
             "kv_physical_tokens": physical,
@@ -394,6 +458,7 @@ class CompressingScheduler(Scheduler):
         t = self.kv_totals
         return {
             "rounds": t.rounds,
+            "rounds_refused": t.rounds_refused,
             "preemptions": t.preemptions,
             "tokens_dropped": t.tokens_dropped,
             "blocks_freed": t.blocks_freed,

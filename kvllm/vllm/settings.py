@@ -99,12 +99,93 @@ def check_vllm_config(vllm_config: Any) -> CompressionConfig | None:
             f"is not KvLLM's scheduler: compression would never run; start vLLM with scheduler_cls={SCHEDULER!r} "
             f"(--scheduler-cls {SCHEDULER})"
         )
+    check_features(vllm_config)
     cache = vllm_config.cache_config
     config = check_engine(config, cache.block_size)
     tp = vllm_config.parallel_config.tensor_parallel_size
     check_parallel(tp, vllm_config.model_config.get_total_num_kv_heads())
     check_model(config, vllm_config.model_config.hf_config, tp)
     return config
+
+
+def check_features(vllm_config: Any) -> None:
+    """Refuse, naming the setting, every engine feature a compression round would make
+    silently wrong (docs/design.md, "What is supported").
+
+    A round rewrites a request's own blocks in place on the worker, scored with queries
+    the worker captured one decode token at a time, and the scheduler counts physical
+    slots per request. Whatever breaks one of those assumptions is refused here, before
+    any engine process starts.
+    """
+    from vllm.platforms import current_platform
+
+    from kvllm.vllm.paged import READABLE_ISAS, attention_isa
+
+    def refuse(setting: str, why: str) -> None:
+        raise ValueError(f"{setting} is not supported with KV compression: {why}")
+
+    if not current_platform.is_cpu():
+        refuse(
+            f"platform {current_platform.device_name!r}",
+            "KvLLM's worker side (compaction, query capture) exists for vLLM's CPU model runner only",
+        )
+    if vllm_config.use_v2_model_runner:
+        refuse(
+            "VLLM_USE_V2_MODEL_RUNNER=1 (Model Runner V2)",
+            "KvLLM's compacting runner extends the V1 CPU model runner; unset it or set VLLM_USE_V2_MODEL_RUNNER=0",
+        )
+    if vllm_config.speculative_config is not None:
+        refuse(
+            "speculative decoding (--speculative-config)",
+            "a step that accepts several tokens skips the period's rounds and outgrows the query ring",
+        )
+    if vllm_config.kv_transfer_config is not None:
+        refuse("a KV connector (--kv-transfer-config)", "a connector would save or load blocks that rounds rewrite")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype != "auto":
+        refuse(
+            f"kv_cache_dtype={cache_dtype!r} (--kv-cache-dtype)",
+            "rounds read and write the cache in the model's dtype; use --kv-cache-dtype auto",
+        )
+    if vllm_config.scheduler_config.async_scheduling:
+        refuse(
+            "async scheduling (--async-scheduling)",
+            "the scheduler plans a round while the previous step's tokens are still in flight",
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        refuse(
+            f"pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size} (--pipeline-parallel-size)",
+            "a round selects per layer on one rank; untested across pipeline stages; use 1",
+        )
+    isa = attention_isa(vllm_config)
+    if isa not in READABLE_ISAS:
+        refuse(
+            f"vLLM's CPU attention ISA {isa!r} (this CPU, dtype and block size)",
+            f"rounds read the paged cache's layout for ISAs {', '.join(READABLE_ISAS)}; "
+            "with AMX, run the model in float32 (--dtype float32)",
+        )
+
+
+def check_kv_cache(kv_cache_config: Any) -> None:
+    """One KV cache group of plain full attention: a round rewrites every layer through
+    the first group's block table, and slots count physical tokens. Known only once vLLM
+    has laid out the cache, so the scheduler checks it as the engine starts."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"a model with {len(groups)} KV cache groups (hybrid or mixed sliding-window attention) is not "
+            "supported with KV compression: a round rewrites every layer through one block table"
+        )
+    spec = groups[0].kv_cache_spec
+    windowed = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    if type(spec) is not FullAttentionSpec or windowed:
+        raise ValueError(
+            f"KV cache spec {type(spec).__name__}"
+            f"{f' (window {windowed})' if windowed else ''} is not supported with KV compression: "
+            "only full attention, whose slots hold physical tokens with no window of their own"
+        )
 
 
 def check_model(config: CompressionConfig, hf_config: Any, tensor_parallel_size: int) -> None:

@@ -13,6 +13,8 @@ import pytest
 
 # One process: scheduler, worker and test share objects. Set before vLLM is imported.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# A round that would rewrite a shared or cached block raises instead of being skipped.
+os.environ.setdefault("KVLLM_STRICT", "1")
 
 from kvllm.config import CompressionConfig
 from kvllm.testing import save_tiny_model

@@ -82,3 +82,67 @@ def test_no_leaks_with_a_shared_prefix_under_aborts_and_preemption(tiny_model: s
         # Cached blocks no request holds are free (vLLM evicts them on demand).
         assert block_pool_usage(sched)[0] == 0
         assert sched.kv_requests == {}
+
+
+# A block-aligned prompt of four blocks, prefilled in chunks of 127 tokens: the first chunk
+# ends one token short of the prompt.
+ALIGNED = list(range(100, 100 + 4 * 32))
+CHUNKED = {**CACHING, "enable_chunked_prefill": True, "max_num_batched_tokens": 127, "max_model_len": 1024}
+
+
+def _compress_then_follow(llm: Any, follow: Any) -> list[list[int]]:
+    """Request A (compressing, 240 tokens) on ALIGNED, then B (ALIGNED plus 20 tokens, ``follow``)."""
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=ALIGNED)], greedy(240))
+    out = llm.generate([TokensPrompt(prompt_token_ids=ALIGNED + list(range(300, 320)))], follow)
+    assert out[0].num_cached_tokens == len(ALIGNED)  # B read A's prompt blocks from the cache
+    return token_ids(out)
+
+
+def test_a_chunk_ending_one_token_short_of_the_prompt_never_rewrites_its_cached_blocks(tiny_model: str) -> None:
+    """A chunk that ends at P - 1 leaves one prompt token for a one-token step, which
+    looks like decoding; the prompt's last slot must stay protected all the same, or the
+    round rewrites a hashed prompt block that B then reads (issue 40)."""
+    with engine(tiny_model, None, plugin=False, **CHUNKED) as vanilla:
+        expected = _compress_then_follow(vanilla, greedy(60))
+    with engine(tiny_model, KARA, **CHUNKED) as llm:
+        got = _compress_then_follow(llm, greedy(60, extra_args={"kvllm": {"off": True}}))
+        assert scheduler(llm).kv_totals.rounds > 0
+    assert got == expected
+
+
+def test_a_recomputed_request_never_matches_cached_blocks_past_its_prompt(tiny_model: str) -> None:
+    """Requests with compression off cache their generated blocks. A compressing request
+    recomputed after preemption, with the same prompt and the same tokens (keep-all
+    writes vanilla's), would match them and its catch-up rounds would rewrite them: its
+    hit is capped at its prompt's full blocks (issue 40)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from kvllm.vllm.scheduler import CONFIG, RECOMPUTE
+
+    prompts = PROMPTS[:10]
+    off = greedy(200, extra_args={"kvllm": {"off": True}})
+    with engine(tiny_model, KEEP_ALL, num_gpu_blocks_override=40, **CACHING) as llm:
+        sched = scheduler(llm)
+        manager = sched.kv_cache_manager
+        capped = type(manager).get_computed_blocks
+        seen: list[tuple[int, int, int]] = []
+
+        def recording(request: Any) -> Any:
+            uncapped = KVCacheManager.get_computed_blocks(manager, request)[1]
+            out = capped(manager, request)
+            if getattr(request, RECOMPUTE, False) and getattr(request, CONFIG) is not None:
+                seen.append((request.num_prompt_tokens, uncapped, out[1]))
+            return out
+
+        manager.get_computed_blocks = recording
+        # Each prompt twice, its compression-off request first: the compressing ones come
+        # later, so they are the ones preempted, while the off requests hold and cache theirs.
+        outs = llm.generate([p for p in prompts for _ in range(2)], [off, greedy(200)] * len(prompts))
+        assert sched.kv_totals.preemptions > 0 and sched.kv_totals.rounds > 0
+    got = token_ids(outs)
+    assert got[1::2] == got[0::2]
+    # Some recomputations found the off requests' generated blocks; none was given them.
+    assert any(uncapped > prompt for prompt, uncapped, _ in seen), seen
+    assert all(hit <= prompt for prompt, _, hit in seen), seen

@@ -337,3 +337,88 @@ def test_a_calibration_file_of_another_model_fails_at_start_up(tmp_path) -> None
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*--tensor-parallel-size 1"):
         check_model(config, model, 2)
     check_model(CompressionConfig(method="kara"), model, 2)
+
+
+ENGINE = {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.3, "max_model_len": 512}
+
+
+def _vllm_config(model: str, **kwargs: object) -> object:
+    """The ``VllmConfig`` ``kvllm.LLM`` would start, built (and checked, by the plugin) here."""
+    from kvllm.vllm.plugin import register
+
+    register()
+    return engine.engine_args_of_llm(model, engine_kwargs(KARA, {**ENGINE, **kwargs})).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+            r"speculative decoding \(--speculative-config\)",
+        ),
+        ({"kv_cache_dtype": "fp8"}, r"kv_cache_dtype='fp8' \(--kv-cache-dtype\)"),
+        ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}}, "KV connector"),
+        ({"pipeline_parallel_size": 2}, r"pipeline_parallel_size=2 \(--pipeline-parallel-size\)"),
+    ],
+)
+def test_engine_features_a_round_would_break_are_refused_at_start_up(
+    tiny_model: str, kwargs: dict, message: str
+) -> None:
+    """Refused where vLLM builds the engine's config, before any engine process exists."""
+    with pytest.raises(ValueError, match=message + ".* is not supported with KV compression"):
+        _vllm_config(tiny_model, **kwargs)
+
+
+def test_settings_vllm_decides_itself_are_checked_as_it_decided(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner version, the platform, async scheduling (the CPU platform turns it off
+    today) and the attention ISA are vLLM's decisions: checked on the config it built."""
+    from vllm.platforms import current_platform
+
+    from kvllm.vllm.settings import check_vllm_config
+
+    config = _vllm_config(tiny_model)
+    assert check_vllm_config(config) is not None
+    with monkeypatch.context() as m:
+        m.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+        with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+            check_vllm_config(config)
+    with monkeypatch.context() as m:
+        m.setattr(type(current_platform), "is_cpu", lambda self: False)
+        with pytest.raises(ValueError, match="CPU model runner only"):
+            check_vllm_config(config)
+    with monkeypatch.context() as m:
+        m.setattr(config.scheduler_config, "async_scheduling", True)
+        with pytest.raises(ValueError, match="async scheduling"):
+            check_vllm_config(config)
+    with monkeypatch.context() as m:
+        # On a CPU with AMX, vLLM runs bf16 attention with the "amx" ISA, whose cache
+        # layout rounds cannot read: refused at start-up, not at the first round.
+        m.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+        m.setattr(config.model_config, "dtype", torch.bfloat16)
+        with pytest.raises(ValueError, match=r"ISA 'amx'.*--dtype float32"):
+            check_vllm_config(config)
+
+
+def test_only_one_kv_cache_group_of_full_attention_is_accepted() -> None:
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from kvllm.vllm.settings import check_kv_cache
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=128)
+
+    def layout(*specs: object) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+    check_kv_cache(layout(full))
+    with pytest.raises(ValueError, match="2 KV cache groups"):
+        check_kv_cache(layout(full, window))
+    with pytest.raises(ValueError, match="SlidingWindowSpec"):
+        check_kv_cache(layout(window))
+    with pytest.raises(ValueError, match=r"FullAttentionSpec \(window 64\)"):
+        check_kv_cache(layout(dataclasses.replace(full, sliding_window=64)))

@@ -1,0 +1,57 @@
+"""The scheduler's shared-block invariant: a round rewrites only blocks its request alone
+holds, unhashed (issue 40), checked before every round."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from kvllm.policy import Region
+from kvllm.vllm.scheduler import STRICT_ENV, CompressingScheduler, CompressionTotals, unsafe_blocks
+
+
+def _block(ref_cnt: int = 1, hashed: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(ref_cnt=ref_cnt, block_hash=b"h" if hashed else None)
+
+
+def test_unsafe_blocks_are_the_shared_or_hashed_ones_the_span_touches() -> None:
+    blocks = [_block(2, True), _block(1, True), _block(), _block(2), _block()]
+    assert unsafe_blocks(blocks, 64, 160, 32) == [3]  # slots 64-159: blocks 2-4
+    assert unsafe_blocks(blocks, 63, 96, 32) == [1]  # one slot of block 1 is enough
+    assert unsafe_blocks(blocks, 0, 32, 32) == [0]
+    assert unsafe_blocks(blocks, 128, 160, 32) == []
+    assert unsafe_blocks(blocks, 64, 96, 32) == []
+
+
+def _scheduler(blocks: list[SimpleNamespace]) -> SimpleNamespace:
+    manager = SimpleNamespace(req_to_blocks={"r": blocks})
+    coordinator = SimpleNamespace(single_type_managers=[manager])
+    return SimpleNamespace(
+        kv_cache_manager=SimpleNamespace(coordinator=coordinator), block_size=32, kv_totals=CompressionTotals()
+    )
+
+
+def test_a_round_on_a_shared_block_is_refused_counted_and_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(STRICT_ENV, "0")
+    sched = _scheduler([_block(), _block(2), _block()])
+    request = SimpleNamespace(request_id="r")
+    region = Region(start=40, n_compress=32, span=40, n_queries=40, budget=6)
+    with caplog.at_level(logging.WARNING, logger="kvllm.vllm.scheduler"):
+        assert not CompressingScheduler._safe(sched, request, region, 80)
+        assert not CompressingScheduler._safe(sched, request, region, 80)
+    assert sched.kv_totals.rounds_refused == 2
+    assert len([r for r in caplog.records if "shared or cached blocks [1]" in r.message]) == 1
+    # The same round on blocks the request alone holds runs.
+    assert CompressingScheduler._safe(_scheduler([_block(2), _block(), _block()]), request, region, 80)
+
+
+def test_under_strict_a_refused_round_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(STRICT_ENV, "1")
+    sched = _scheduler([_block(), _block(1, hashed=True), _block()])
+    region = Region(start=40, n_compress=32, span=40, n_queries=40, budget=6)
+    with pytest.raises(AssertionError, match="shared or cached blocks"):
+        CompressingScheduler._safe(sched, SimpleNamespace(request_id="r"), region, 80)
