@@ -81,15 +81,17 @@ class StepCapture:
         self.count = 0
 
 
-CAPTURE = StepCapture()
+# The attribute by which a model's attention layers reach their engine's capture: set by
+# that engine's runner, so two engines in one process never share capture state.
+LAYER_ATTR = "kvllm_capture"
 
 
 class CapturingCPUAttentionImpl(CPUAttentionBackendImpl):
     """vLLM's CPU attention, plus query capture for compressible decode rows."""
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):  # type: ignore[override]
-        cap = CAPTURE
-        if attn_metadata is not None and cap.index is not None and cap.layer_of is not None:
+        cap: StepCapture | None = getattr(layer, LAYER_ATTR, None)
+        if cap is not None and attn_metadata is not None and cap.index is not None and cap.layer_of is not None:
             # One copy per layer, of a slice of the query (or one gather) into the flat ring:
             # index_select + index_put_ at (slot, position) pairs took about 1.6x as long.
             store = cap.ring.flat[cap.layer_of[layer.layer_name]]

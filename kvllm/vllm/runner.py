@@ -45,7 +45,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from kvllm.methods import Window, build
 from kvllm.methods.rope import Rope
 from kvllm.vllm import paged
-from kvllm.vllm.capture import CAPTURE, QueryRing
+from kvllm.vllm.capture import LAYER_ATTR, QueryRing, StepCapture
 from kvllm.vllm.plan import Compaction, StepPlan
 from kvllm.vllm.settings import engine_config
 
@@ -77,6 +77,7 @@ class CompressingCPUModelRunner(CPUModelRunner):
         self.kv_config = engine_config(vllm_config.additional_config)
         self.kv_dropped: dict[str, int] = {}
         self.kv_ring: QueryRing | None = None
+        self.kv_capture = StepCapture()
         self.kv_seconds: dict[str, float] = {}
         self.kv_layers: list[Any] = []
         self.kv_tp_size, self.kv_tp_rank = 1, 0
@@ -102,7 +103,9 @@ class CompressingCPUModelRunner(CPUModelRunner):
             head_dim=first.head_size,
             dtype=self.model_config.dtype,
         )
-        CAPTURE.layer_of = {layer.layer_name: i for i, layer in enumerate(self.kv_layers)}
+        self.kv_capture.layer_of = {layer.layer_name: i for i, layer in enumerate(self.kv_layers)}
+        for layer in self.kv_layers:
+            setattr(layer, LAYER_ATTR, self.kv_capture)
         self.kv_tp_size = get_tensor_model_parallel_world_size()
         self.kv_tp_rank = get_tensor_model_parallel_rank()
         self.kv_rope = _rope_of(self.model)
@@ -143,7 +146,7 @@ class CompressingCPUModelRunner(CPUModelRunner):
                 table.num_blocks_per_row[row] = min(n, keep)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
-        CAPTURE.clear()  # capture state is per step (and per engine, in one process)
+        self.kv_capture.clear()  # capture state is per step
         if self.kv_config is None or self.kv_ring is None:
             return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         n_reqs = self.input_batch.num_reqs
@@ -189,7 +192,7 @@ class CompressingCPUModelRunner(CPUModelRunner):
             ends = np.cumsum(take)
             within = np.arange(ends[-1]) - np.repeat(ends - take, take) + np.repeat(lengths - take, take)
             positions = np.repeat(self.input_batch.num_computed_tokens_cpu[reqs], take) + within
-            CAPTURE.publish(ring, np.repeat(slots, take), positions, np.repeat(qsl[reqs], take) + within)
+            self.kv_capture.publish(ring, np.repeat(slots, take), positions, np.repeat(qsl[reqs], take) + within)
 
     # -- compaction ----------------------------------------------------------------
     def _compact(self, compactions: list[Compaction]) -> None:

@@ -9,6 +9,7 @@ index arithmetic of ``runner.py::_compact_group`` (a method of the engine's mode
 from __future__ import annotations
 
 import os
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,10 +22,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
-from kvllm.vllm.capture import CAPTURE, CapturingCPUAttentionImpl, QueryRing
+from kvllm.vllm.capture import LAYER_ATTR, CapturingCPUAttentionImpl, QueryRing, StepCapture
 
 LAYERS, SLOTS, RING, HEADS, HEAD_DIM = 3, 4, 6, 4, 8
 METADATA = object()  # any non-None attention metadata: the capture only checks for None
+CAPTURE = StepCapture()  # the engine's capture state the layers below reach (the fixture renews it)
 
 
 def _ring(slots: int = SLOTS) -> QueryRing:
@@ -88,16 +90,16 @@ def test_exhausting_slots_raises() -> None:
 
 @pytest.fixture
 def step(monkeypatch: pytest.MonkeyPatch) -> CapturingCPUAttentionImpl:
-    """The capturing impl with vLLM's attention stubbed out, and ``CAPTURE`` restored after the test."""
-    for field in ("ring", "index", "rows", "count", "layer_of"):
-        monkeypatch.setattr(CAPTURE, field, getattr(CAPTURE, field))
+    """The capturing impl with vLLM's attention stubbed out, and a fresh ``CAPTURE``."""
+    monkeypatch.setattr(sys.modules[__name__], "CAPTURE", StepCapture())
     monkeypatch.setattr(CPUAttentionBackendImpl, "forward", lambda self, layer, q, k, v, kv, meta, out, *a, **kw: out)
     return object.__new__(CapturingCPUAttentionImpl)
 
 
 def _forward(impl: CapturingCPUAttentionImpl, layer: str, query: Tensor, metadata: object = METADATA) -> Tensor:
     out = torch.empty(query.shape[0], HEADS * HEAD_DIM)
-    return impl.forward(SimpleNamespace(layer_name=layer), query, None, None, None, metadata, out)
+    layer_module = SimpleNamespace(layer_name=layer, **{LAYER_ATTR: CAPTURE})
+    return impl.forward(layer_module, query, None, None, None, metadata, out)
 
 
 def test_capture_wraps_around_and_compaction_reads_last_queries(step: CapturingCPUAttentionImpl) -> None:

@@ -266,3 +266,35 @@ def test_bad_compression_values_fail_before_the_engine() -> None:
         CompressionConfig(method="nope")
     with pytest.raises(ValueError, match="retention"):
         CompressionConfig(retention=0)
+
+
+def test_two_engines_in_one_process_capture_into_their_own_rings(tiny_model: str, tmp_path) -> None:
+    """Capture state belongs to an engine: two in-process engines, stepped in turn, give
+    what each gives alone (issue 40)."""
+    from kvllm.testing import save_tiny_model
+    from kvllm.vllm.capture import LAYER_ATTR
+    from tests.vllm.conftest import SHAPE
+
+    other = str(save_tiny_model(tmp_path / "other", seed=2, **{**SHAPE, "layers": 3}))
+    small = {"kv_cache_memory_bytes": 1 << 26}  # two engines' pools in one process's memory share
+    alone = {}
+    for model in (tiny_model, other):
+        with engine(model, KARA, **small) as llm:
+            alone[model] = token_ids(llm.generate(PROMPTS[:4], greedy(120)))
+    with engine(tiny_model, KARA, **small) as a, engine(other, KARA, **small) as b:
+        engines = {tiny_model: a.llm.llm_engine, other: b.llm.llm_engine}
+        for eng in engines.values():
+            for i, p in enumerate(PROMPTS[:4]):
+                eng.add_request(str(i), p, greedy(120))
+        outputs: dict[str, dict[str, Any]] = {m: {} for m in engines}
+        while any(e.has_unfinished_requests() for e in engines.values()):
+            for model, eng in engines.items():
+                for out in eng.step():
+                    if out.finished:
+                        outputs[model][out.request_id] = out
+        for llm in (a, b):
+            run = runner(llm)
+            assert all(getattr(layer, LAYER_ATTR) is run.kv_capture for layer in run.kv_layers)
+    for model in engines:
+        got = [list(outputs[model][str(i)].outputs[0].token_ids) for i in range(4)]
+        assert got == alone[model]
