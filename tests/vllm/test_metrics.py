@@ -51,6 +51,29 @@ def test_a_torn_record_is_never_read(tmp_path: Path) -> None:
     publisher.close()
 
 
+def test_records_of_engines_gone_without_closing_are_never_summed(tmp_path: Path) -> None:
+    """An engine dropped without shutdown, and one whose process died (issue 40)."""
+    import gc
+    import subprocess
+    import sys
+
+    dropped = EnginePublisher(str(tmp_path), 0)
+    dropped.publish({"compression_rounds": 5})
+    del dropped
+    gc.collect()
+    code = (
+        "import os, sys; from kvllm.vllm.metrics import EnginePublisher; "
+        "p = EnginePublisher(sys.argv[1], 1); p.publish({'compression_rounds': 7}); os._exit(0)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
+    assert len(list(tmp_path.glob("engine-1-*.bin"))) == 1  # it died holding its record
+    live = EnginePublisher(str(tmp_path), 2)
+    live.publish({"compression_rounds": 3})
+    assert read_totals(str(tmp_path))["compression_rounds"] == 3.0
+    assert [p.name for p in tmp_path.iterdir()] == [live.path.name]
+    live.close()
+
+
 def test_a_multiprocess_registry_exports_the_totals_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What an API server of `--api-server-count` > 1 serves: with PROMETHEUS_MULTIPROC_DIR
     set, vLLM's /metrics route (and /metrics/) answers from a multiprocess registry, not the
