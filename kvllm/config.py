@@ -106,6 +106,15 @@ class CompressionConfig:
         lo = self.window + 1 if self.policy == "threshold" else 1
         check_int(f"{F}.threshold_budget", self.threshold_budget, lo)
         check_int(f"{F}.threshold_interval", self.threshold_interval, 1)
+        if self.policy == "threshold" and method_class(self.method).reads_key_positions:
+            # A threshold span holds compacted history, whose keys' positions are not
+            # consecutive; a method that un-rotates every key would use wrong ones.
+            fail(
+                f"{F}.policy",
+                self.policy,
+                f"method {self.method!r} reads every key's position, which only the periodic policy's "
+                "uncompressed windows give; use policy='periodic'",
+            )
         check_choice(f"{F}.admission", self.admission, ADMISSIONS)
         if isinstance(self.params, MethodParams):
             object.__setattr__(self, "params", dataclasses.asdict(self.params))

@@ -167,6 +167,11 @@ class Method(ABC):
     name: ClassVar[str]
     #: Whether every (layer, KV head) keeps the same count, so a block table fits all.
     uniform: ClassVar[bool] = True
+    #: Whether it reads every span key's own position (to undo its RoPE rotation). A
+    #: window gives one position per sequence, its keys consecutive from there, which
+    #: is true only of an uncompressed span: the periodic policy's, not the threshold
+    #: policy's, whose span holds compacted history.
+    reads_key_positions: ClassVar[bool] = False
     #: The method's parameter dataclass.
     Params: ClassVar[type[MethodParams]] = MethodParams
 

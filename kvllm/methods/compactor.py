@@ -120,6 +120,7 @@ def leverage_scores(window: Window, sketch_dimension: int) -> Tensor:
 class Compactor(Method):
     name = "compactor"
     Params = CompactorParams
+    reads_key_positions = True
 
     @property
     def reads_values(self) -> bool:
