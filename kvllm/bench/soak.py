@@ -6,8 +6,12 @@ requests one after another: random token-id prompts, random output lengths (EOS
 ignored), streaming or not, some with a per-request ``"kvllm"`` override, some with
 compression off, a few with an invalid override (which must get HTTP 400), and some
 cancelled by the client part-way (a stream closed after a random number of chunks, or a
-non-streaming request whose task is cancelled after a random delay). Every request is
-drawn from one seeded stream, so a soak is reproducible up to timing.
+non-streaming request whose task is cancelled after a random delay). Half the prompts
+start with a shared prefix: one of any length, or one a whole number of blocks long, and
+some prompts are exactly that block-aligned prefix. Prompts are prefilled in small
+chunks, so a chunk can end anywhere in a shared, cached prefix, one token short of it
+included (issue 40). Every request is drawn from one seeded stream, so a soak is
+reproducible up to timing.
 
 At the end it checks (:func:`checks`):
 
@@ -17,7 +21,10 @@ At the end it checks (:func:`checks`):
 - **every block back**: once idle, ``kvllm:kv_blocks_used``, vLLM's
   ``kv_cache_usage_perc`` and its running and waiting request gauges are 0;
 - **memory flat**: the RSS of the API process and of each engine process, sampled as
-  requests complete, stays within ``rss_tolerance`` of its value at the end of warm-up.
+  requests complete, stays within ``rss_tolerance`` of its value at the end of warm-up;
+- **off equals vanilla**: every finished request with compression off wrote what vLLM's
+  own server writes for it (the same prompt, greedy), replayed after the soak: shared
+  prefixes and rounds beside it must not change what it reads.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Any
 from kvllm.bench.serving import counters, free_port
 from kvllm.config import CompressionConfig
 
+OFF: dict[str, Any] = {"off": True}
 # Per-request overrides the soak draws from (each valid for a uniform paged engine), and
 # one the server must refuse.
 OVERRIDES: tuple[dict[str, Any], ...] = (
@@ -44,7 +52,7 @@ OVERRIDES: tuple[dict[str, Any], ...] = (
     {"method": "snapkv", "retention": 0.2},
     {"method": "h2o"},
     {"method": "streamingllm", "retention": 0.3},
-    {"off": True},
+    OFF,
 )
 BAD_OVERRIDE: dict[str, Any] = {"retention": 0}
 OUTCOMES = ("finished", "cancelled", "rejected", "failed")
@@ -68,8 +76,12 @@ class Soak:
     prompt_min, prompt_max
         Prompt lengths in tokens, uniform (random ids; at least 5, see the server's guard).
     shared_prefix
-        Tokens of one random prefix that half the prompts start with (a shared system
-        prompt, which prefix caching serves); 0: none.
+        Tokens of the random prefixes half the prompts start with (a shared system
+        prompt, which prefix caching serves): one of this length and one of it rounded
+        up to whole blocks, which some prompts are exactly; 0: none.
+    chunk
+        vLLM's ``max_num_batched_tokens``: prompts longer than this are prefilled in
+        chunks (chunked prefill); small, so that chunks end anywhere.
     cancel
         Share of requests the client cancels part-way.
     override, bad
@@ -94,7 +106,8 @@ class Soak:
     output_max: int = 256
     prompt_min: int = 5
     prompt_max: int = 200
-    shared_prefix: int = 0
+    shared_prefix: int = 100
+    chunk: int = 96
     cancel: float = 0.2
     override: float = 0.3
     bad: float = 0.01
@@ -125,13 +138,21 @@ class Soak:
             raise ValueError(f"--override {self.override} + --bad {self.bad} is invalid: must be <= 1")
         if self.shared_prefix < 0:
             raise ValueError(f"--shared-prefix {self.shared_prefix} is invalid: must be >= 0")
-        need = -(-(self.shared_prefix + self.prompt_max + self.output_max) // self.compression.block_size) + 1
+        if self.chunk < self.max_num_seqs:
+            raise ValueError(f"--chunk {self.chunk} is invalid: vLLM needs >= max_num_seqs ({self.max_num_seqs})")
+        need = -(-(self.aligned_prefix + self.prompt_max + self.output_max) // self.compression.block_size) + 1
         if self.pool_blocks < need:
             raise ValueError(f"--pool {self.pool_blocks} is invalid: the longest request needs {need} blocks")
 
     @property
+    def aligned_prefix(self) -> int:
+        """The block-aligned shared prefix's length."""
+        block = self.compression.block_size
+        return -(-self.shared_prefix // block) * block
+
+    @property
     def max_model_len(self) -> int:
-        return self.shared_prefix + self.prompt_max + self.output_max + 16
+        return self.aligned_prefix + self.prompt_max + self.output_max + 16
 
     def server_flags(self) -> list[str]:
         c = self.compression
@@ -139,6 +160,7 @@ class Soak:
             "--dtype", "float32", "--block-size", str(c.block_size), "--num-gpu-blocks-override",
             str(self.pool_blocks), "--max-num-seqs", str(self.max_num_seqs), "--max-model-len",
             str(self.max_model_len), "--enforce-eager", "--gpu-memory-utilization", "0.3", "--seed", str(self.seed),
+            "--enable-chunked-prefill", "--max-num-batched-tokens", str(self.chunk),
         ]  # fmt: skip
         if self.system == "vanilla":
             return flags
@@ -166,11 +188,13 @@ def draw(soak: Soak, vocab: int) -> list[Request]:
     """Every request of the soak, from one seeded stream."""
     rng = random.Random(soak.seed)
     shared = [rng.randrange(vocab) for _ in range(soak.shared_prefix)]
+    aligned = [rng.randrange(vocab) for _ in range(soak.aligned_prefix)]
     out = []
     for i in range(soak.requests):
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(soak.prompt_min, soak.prompt_max))]
         if shared and rng.random() < 0.5:
-            prompt = shared + prompt
+            u = rng.random()
+            prompt = shared + prompt if u < 0.5 else aligned + prompt if u < 0.85 else aligned
         max_tokens = rng.randint(soak.output_min, soak.output_max)
         stream = rng.random() < soak.stream
         u = rng.random()
@@ -219,7 +243,7 @@ async def _stream(client: Any, url: str, model: str, request: Request) -> dict[s
     async with client.stream("POST", url, json=body(model, request)) as response:
         if response.status_code != 200:
             return _judge(request, response.status_code, json.loads(await response.aread()))
-        chunks, finish, usage, stats = 0, None, None, None
+        chunks, finish, usage, stats, text = 0, None, None, None, []
         async for line in sse_lines(response.aiter_bytes()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -227,12 +251,14 @@ async def _stream(client: Any, url: str, model: str, request: Request) -> dict[s
             chunks += 1
             for choice in chunk.get("choices") or []:
                 finish = choice.get("finish_reason") or finish
+                text.append(choice.get("text") or "")
             usage = chunk.get("usage") or usage
             stats = (chunk.get("kv_transfer_params") or {}).get("kvllm", stats)
             if request.cancel_after is not None and chunks >= request.cancel_after:
                 return {"outcome": "cancelled"}  # leaving the block closes the connection
     tokens = (usage or {}).get("completion_tokens")
-    return _judge(request, 200, {"choices": [{"finish_reason": finish}], "usage": {"completion_tokens": tokens},
+    return _judge(request, 200, {"choices": [{"finish_reason": finish, "text": "".join(text)}],
+                                 "usage": {"completion_tokens": tokens},
                                  "kv_transfer_params": {"kvllm": stats} if stats is not None else None})  # fmt: skip
 
 
@@ -267,7 +293,10 @@ def _judge(request: Request, status: int, data: dict[str, Any]) -> dict[str, Any
     if stats is None and request.stats:
         return {"outcome": "failed", "why": "no statistics"}
     stats = stats or {}
-    return {"outcome": "finished", "rounds": stats.get("compressions", 0), "off": stats.get("method") is None}
+    outcome = {"outcome": "finished", "rounds": stats.get("compressions", 0), "off": stats.get("method") is None}
+    if request.override == OFF:  # kept to compare with vLLM's own server (off_equals_vanilla)
+        outcome["text"] = (data.get("choices") or [{}])[0].get("text")
+    return outcome
 
 
 # The idle checks' metrics: vLLM's gauges and counters, and KvLLM's.
@@ -351,6 +380,41 @@ def checks(soak: Soak, outcomes: list[dict[str, Any]], idle: dict[str, float], s
     }  # fmt: skip
 
 
+def replay_off(soak: Soak, requests: list[Request], outcomes: list[dict[str, Any]], log: Path) -> dict[str, Any]:
+    """Send the finished compression-off requests to vLLM's own server (no plugin, the same
+    engine flags) and compare what it writes with what they got in the soak."""
+    import httpx
+
+    from kvllm.vllm.launch import start_server, stop, wait_healthy
+
+    off = [(requests[o["index"]], o["text"]) for o in outcomes if o.get("outcome") == "finished" and "text" in o]
+    if not off:
+        return {"ok": False, "compared": 0, "mismatched": [], "why": "no compression-off request finished"}
+    vanilla = Soak(**{**asdict(soak), "system": "vanilla", "override": 0.0, "bad": 0.0})
+    env = {**os.environ, "VLLM_PLUGINS": "no-plugin"}  # a name matching no plugin
+    process, base = start_server(soak.model, free_port(), vanilla.server_flags(), log=log, env=env, vllm=True)
+    try:
+        wait_healthy(process, base, timeout=600)
+
+        async def compare() -> list[int]:
+            limit = asyncio.Semaphore(soak.concurrency)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as client:
+
+                async def one(request: Request, text: str) -> int | None:
+                    plain = Request(request.index, request.prompt, request.max_tokens, False, None, False, None)
+                    async with limit:
+                        response = await client.post(f"{base}/v1/completions", json=body(soak.model, plain))
+                    return None if response.json()["choices"][0]["text"] == text else request.index
+
+                found = await asyncio.gather(*(one(r, t) for r, t in off))
+            return [i for i in found if i is not None]
+
+        mismatched = asyncio.run(compare())
+    finally:
+        stop(process)
+    return {"ok": not mismatched, "compared": len(off), "mismatched": mismatched[:20]}
+
+
 def run_soak(soak: Soak, tick: Callable[[str], None]) -> dict[str, Any]:
     """Start ``kvllm serve``, run the soak, check it, stop the server; writes ``soak.json``."""
     from transformers import AutoConfig
@@ -378,6 +442,8 @@ def run_soak(soak: Soak, tick: Callable[[str], None]) -> dict[str, Any]:
         stop(process)
     verdicts = checks(soak, result["outcomes"], idle, result["samples"])
     verdicts["server_alive"] = {"ok": alive}
+    if not vanilla and soak.override:
+        verdicts["off_equals_vanilla"] = replay_off(soak, requests, result["outcomes"], soak.out / "vanilla.log")
     failed = [o for o in result["outcomes"] if o.get("outcome") != "finished" and o.get("why")]
     finished = [o for o in result["outcomes"] if o.get("outcome") == "finished"]
     report = {
@@ -420,6 +486,14 @@ def write_report(report: dict[str, Any], out: Path) -> None:
         + ", ".join(f"{k} {v:+.1%}" for k, v in c["rss_flat"]["growth_after_warmup"].items())
         + " |",
         f"| server alive | {c['server_alive']['ok']} | |",
+        *(
+            [
+                f"| off requests equal vLLM's own | {c['off_equals_vanilla']['ok']} | "
+                f"{c['off_equals_vanilla']['compared']} compared, mismatched {c['off_equals_vanilla']['mismatched']} |"
+            ]
+            if "off_equals_vanilla" in c
+            else []
+        ),
         "",
         f"Finished requests that compressed: {report['finished_compressed']}; with compression off: "
         f"{report['finished_off']}. Over the soak: {idle['num_preemptions_total']:g} preemptions, "

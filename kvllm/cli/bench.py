@@ -196,8 +196,12 @@ def bench_soak(
     output_max: Annotated[int, typer.Option(help="Longest output.")] = 256,
     prompt_max: Annotated[int, typer.Option(help="Longest prompt (random token ids, at least 5).")] = 200,
     shared_prefix: Annotated[
-        int, typer.Option(help="Tokens of one prefix that half the prompts start with (0: none).")
-    ] = 0,
+        int,
+        typer.Option(help="Tokens of the shared prefixes half the prompts start with (one block-aligned; 0: none)."),
+    ] = 100,
+    chunk: Annotated[
+        int, typer.Option(help="max_num_batched_tokens: prompts are prefilled in chunks of at most this many tokens.")
+    ] = 96,
     cancel: Annotated[float, typer.Option(help="Share of requests the client cancels part-way.")] = 0.2,
     override: Annotated[float, typer.Option(help="Share with a per-request kvllm override.")] = 0.3,
     bad: Annotated[float, typer.Option(help="Share with an invalid override (each must get HTTP 400).")] = 0.01,
@@ -217,7 +221,7 @@ def bench_soak(
     try:
         soak = Soak(
             model=str(path), out=out, system=system, requests=requests, concurrency=concurrency, output_min=output_min,
-            output_max=output_max, prompt_max=prompt_max, shared_prefix=shared_prefix, cancel=cancel,
+            output_max=output_max, prompt_max=prompt_max, shared_prefix=shared_prefix, chunk=chunk, cancel=cancel,
             override=override, bad=bad, pool_blocks=pool,
             warmup=warmup, rss_tolerance=rss_tolerance,
             compression=make_config(retention=retention, window=window, buffer=buffer, period=period),

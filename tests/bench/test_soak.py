@@ -17,10 +17,10 @@ from kvllm.testing import save_tiny_model
 
 
 def test_the_draw_is_seeded_and_mixed(tmp_path: Path) -> None:
-    soak = Soak(model="m", out=tmp_path, requests=2000, seed=3)
+    soak = Soak(model="m", out=tmp_path, requests=2000, seed=3, shared_prefix=0)
     requests = draw(soak, vocab=400)
     assert requests == draw(soak, vocab=400)
-    assert requests != draw(Soak(model="m", out=tmp_path, requests=2000, seed=4), vocab=400)
+    assert requests != draw(Soak(model="m", out=tmp_path, requests=2000, seed=4, shared_prefix=0), vocab=400)
     assert all(soak.prompt_min <= len(r.prompt) <= soak.prompt_max for r in requests)
     assert all(0 <= t < 400 for r in requests for t in r.prompt)
     assert all(soak.output_min <= r.max_tokens <= soak.output_max for r in requests)
@@ -77,6 +77,14 @@ def test_each_response_is_judged(request_: Request, status: int, data: dict, out
     assert _judge(request_, status, data)["outcome"] == outcome
 
 
+def test_an_off_requests_text_is_kept_for_the_vanilla_replay() -> None:
+    off = Request(0, [1] * 5, 8, False, {"off": True}, False, None)
+    data = {"choices": [{"finish_reason": "length", "text": "abc"}], "usage": {"completion_tokens": 8},
+            "kv_transfer_params": {"kvllm": {"compressions": 0, "method": None}}}  # fmt: skip
+    assert _judge(off, 200, data) == {"outcome": "finished", "rounds": 0, "off": True, "text": "abc"}
+    assert "text" not in _judge(_request(), 200, {**data, "kv_transfer_params": {"kvllm": {"method": "kara"}}})
+
+
 def test_verdicts_catch_a_lost_request_a_held_block_and_growing_memory(tmp_path: Path) -> None:
     soak = Soak(model="m", out=tmp_path, requests=4, warmup=0.5)
     idle = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0, "kv_blocks_used": 0}
@@ -128,18 +136,30 @@ def test_a_small_soak_passes_its_checks(tmp_path: Path) -> None:
     assert counts["finished"] > 100 and counts["cancelled"] > 10 and counts["rejected"] >= 1
     assert report["finished_compressed"] > 0 and report["finished_off"] > 0
     assert report["idle_metrics"]["num_preemptions_total"] > 0, "the pool should be small enough to preempt"
+    # Compression-off requests wrote what vLLM's own server writes for them.
+    assert report["checks"]["off_equals_vanilla"]["compared"] > 5
     assert (out / "soak.md").exists() and (out / "rss.png").stat().st_size > 0
 
 
-def test_a_shared_prefix_starts_half_the_prompts(tmp_path: Path) -> None:
+def test_shared_prefixes_start_half_the_prompts_and_some_are_block_aligned_prompts(tmp_path: Path) -> None:
     soak = Soak(model="m", out=tmp_path, requests=2000, seed=3, shared_prefix=300, pool_blocks=64)
+    assert soak.aligned_prefix == 320
     requests = draw(soak, vocab=400)
-    # The shared prefix is the one 300-token start that many prompts have in common.
+    # Two shared starts: 300 tokens, and 320 (ten whole blocks), the latter sometimes the whole prompt.
     (shared, count), *_ = Counter(tuple(r.prompt[:300]) for r in requests).most_common(1)
-    starts = [tuple(r.prompt[:300]) == shared for r in requests]
-    assert count == sum(starts) and abs(count / 2000 - 0.5) < 0.05
-    own = [len(r.prompt) - 300 * s for r, s in zip(requests, starts, strict=True)]
+    (aligned, aligned_count), *_ = Counter(tuple(r.prompt[:320]) for r in requests if len(r.prompt) >= 320).most_common(
+        1
+    )
+    starts = [300 * (tuple(r.prompt[:300]) == shared) or 320 * (tuple(r.prompt[:320]) == aligned) for r in requests]
+    assert abs(sum(s > 0 for s in starts) / 2000 - 0.5) < 0.05
+    assert abs(count / 2000 - 0.25) < 0.04 and abs(aligned_count / 2000 - 0.25) < 0.04
+    exactly = sum(len(r.prompt) == 320 and s == 320 for r, s in zip(requests, starts, strict=True))
+    assert abs(exactly / 2000 - 0.075) < 0.02
+    own = [len(r.prompt) - s for r, s in zip(requests, starts, strict=True) if not (s == 320 and len(r.prompt) == 320)]
     assert all(soak.prompt_min <= n <= soak.prompt_max for n in own)
-    assert soak.max_model_len == 300 + soak.prompt_max + soak.output_max + 16
+    assert soak.max_model_len == 320 + soak.prompt_max + soak.output_max + 16
+    assert "--enable-chunked-prefill" in soak.server_flags() and "96" in soak.server_flags()
     with pytest.raises(ValueError, match="--pool 24 is invalid"):
         Soak(model="m", out=tmp_path, shared_prefix=300, pool_blocks=24)
+    with pytest.raises(ValueError, match="--chunk 32 is invalid"):
+        Soak(model="m", out=tmp_path, chunk=32)
