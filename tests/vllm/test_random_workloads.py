@@ -10,7 +10,8 @@ have small pools and small prefill chunks, so chunked prefill, prefix hits and
 preemption all happen. Checks:
 
 - every finished greedy compression-off and keep-all request is token-identical to
-  vanilla vLLM's output for it;
+  vanilla vLLM's output for it, up to a near tie (:func:`agrees`: the two engines batch
+  differently, and a top two within 1e-4 nats can flip);
 - no round rewrites a shared or cached block (``KVLLM_STRICT`` makes such a round
   raise), and no cached block's KV changes after it was cached (snapshotted after the
   step that wrote it, compared after every step);
@@ -70,8 +71,15 @@ class Job:
         if compressing_engine and self.kind != "kara":
             extra = {"kvllm": {"off": True} if self.kind == "off" else {"retention": 1.0}}
         temperature = 0.8 if self.sampled else 0.0
+        # The reference's top two at every step, to tell a near tie from a divergence.
+        logprobs = None if compressing_engine else 2
         return SamplingParams(
-            max_tokens=self.max_tokens, n=self.n, temperature=temperature, ignore_eos=True, extra_args=extra
+            max_tokens=self.max_tokens,
+            n=self.n,
+            temperature=temperature,
+            ignore_eos=True,
+            extra_args=extra,
+            logprobs=logprobs,
         )
 
 
@@ -100,7 +108,7 @@ def draw(seed: int) -> list[Job]:
     return jobs
 
 
-def run(llm: Any, jobs: list[Job], compressing: bool, check: Any = None) -> dict[int, list[list[int]]]:
+def run(llm: Any, jobs: list[Job], compressing: bool, check: Any = None) -> dict[int, list[Any]]:
     """Every finished job's completions (all n), stepping the engine by hand."""
     from vllm.inputs import TokensPrompt
 
@@ -112,7 +120,7 @@ def run(llm: Any, jobs: list[Job], compressing: bool, check: Any = None) -> dict
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
-                done[int(out.request_id)] = [list(c.token_ids) for c in out.outputs]
+                done[int(out.request_id)] = out.outputs
         step += 1
         if check is not None:
             check()
@@ -125,13 +133,26 @@ def run(llm: Any, jobs: list[Job], compressing: bool, check: Any = None) -> dict
 
 class CachedBlocks:
     """Every cached block's KV, snapshotted after the step that wrote it: a later change
-    while it keeps its hash is a rewrite of a block other requests can match."""
+    while it stays cached is a rewrite of a block other requests can match.
+
+    A block leaves the cache when vLLM evicts it to reuse it; its snapshot goes with it.
+    It can be cached again with the same hash within one step (a request whose prompt is
+    a whole number of blocks recomputes its last block, and may get that very block), and
+    its KV is then recomputed, equal up to float rounding, not bit for bit.
+    """
 
     def __init__(self, llm: Any) -> None:
         self.pool = scheduler(llm).kv_cache_manager.block_pool
         self.caches = [layer.kv_cache for layer in runner(llm).kv_layers] if runner(llm).kv_layers else None
         self.llm = llm
         self.seen: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        uncache = self.pool._remove_cached_block_hashes
+
+        def evicted(block: Any) -> Any:
+            self.seen.pop(block.block_id, None)
+            return uncache(block)
+
+        self.pool._remove_cached_block_hashes = evicted
 
     def _blocks(self) -> Iterator[Any]:
         for block in self.pool.blocks:
@@ -178,6 +199,19 @@ def engines(tiny_model: str) -> Iterator[Any]:
     _engines.clear()
 
 
+def agrees(got: list[int], reference: Any, tolerance: float = 1e-4) -> bool:
+    """``got`` is the reference's greedy tokens, or leaves them only where the reference's
+    top two were within ``tolerance`` nats of each other (a near tie: batches of other
+    shapes round differently, and the greedy choice may flip; past it the two are
+    different sequences, so nothing after it is compared)."""
+    want = list(reference.token_ids)
+    for t, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            top = reference.logprobs[t]
+            return a in top and abs(top[a].logprob - top[b].logprob) < tolerance
+    return len(got) == len(want)
+
+
 @pytest.mark.parametrize("seed", range(EXAMPLES))
 def test_random_workload(engines: Any, seed: int) -> None:
     jobs = draw(seed)
@@ -187,7 +221,9 @@ def test_random_workload(engines: Any, seed: int) -> None:
     compared = [i for i, job in enumerate(jobs) if job.kind != "kara" and not job.sampled and got.get(i)]
     expected = run(vanilla, [jobs[i] for i in compared], compressing=False)
     for k, i in enumerate(compared):
-        assert got[i] == expected[k], f"seed {seed}: job {i} ({jobs[i].kind}) differs from vanilla vLLM"
+        assert agrees(list(got[i][0].token_ids), expected[k][0]), (
+            f"seed {seed}: job {i} ({jobs[i].kind}) differs from vanilla vLLM"
+        )
     assert sched.kv_totals.rounds_refused == 0
     # Everything is free again (cached blocks no request holds count as free).
     assert block_pool_usage(sched)[0] == 0
