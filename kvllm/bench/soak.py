@@ -36,7 +36,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -390,7 +390,7 @@ def replay_off(soak: Soak, requests: list[Request], outcomes: list[dict[str, Any
     off = [(requests[o["index"]], o["text"]) for o in outcomes if o.get("outcome") == "finished" and "text" in o]
     if not off:
         return {"ok": False, "compared": 0, "mismatched": [], "why": "no compression-off request finished"}
-    vanilla = Soak(**{**asdict(soak), "system": "vanilla", "override": 0.0, "bad": 0.0})
+    vanilla = replace(soak, system="vanilla", override=0.0, bad=0.0)
     env = {**os.environ, "VLLM_PLUGINS": "no-plugin"}  # a name matching no plugin
     process, base = start_server(soak.model, free_port(), vanilla.server_flags(), log=log, env=env, vllm=True)
     try:
