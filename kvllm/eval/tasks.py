@@ -150,10 +150,10 @@ def apply(a: int, op: str, b: int) -> int:
 def _evaluate(values: dict[str, int], name: str, x: str, op: str, y: str) -> str:
     """Evaluate ``name = x op y`` into ``values``; returns its chain-of-thought line."""
     values[name] = apply(values[x], op, values[y])
-    return _line(values, name, x, op, y)
+    return statement_line(values, name, x, op, y)
 
 
-def _line(values: dict[str, int], name: str, x: str, op: str, y: str) -> str:
+def statement_line(values: dict[str, int], name: str, x: str, op: str, y: str) -> str:
     """``ce = bo + ku = bo41 + ku13 = ce54``: the statement with every value after its name."""
     return f"{name} = {x} {op} {y} = {x}{values[x]:02d} {op} {y}{values[y]:02d} = {name}{values[name]:02d}"
 
@@ -273,7 +273,7 @@ def _reason(rng: random.Random, d: Difficulty, style: ReasonStyle) -> tuple[list
             cot.append(rng.choice(HEDGES))
         if i % style.check_every == 0:
             for step in rng.sample(done[:-1], min(style.check_lines, len(done) - 1)):
-                cot.append(f"{CHECK} {_line(values, *step)}")
+                cot.append(f"{CHECK} {statement_line(values, *step)}")
     ask = steps[0]
     return prompt, cot, ask, values[ask]
 
