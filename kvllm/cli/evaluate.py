@@ -95,6 +95,7 @@ def evaluate(
         lookup_rows,
         plot_accuracy,
         plot_frontier,
+        statements_markdown,
     )
 
     methods, retentions, families = split(method), split(retention, float), split(family)
@@ -152,11 +153,17 @@ def evaluate(
         plot_accuracy(results, out / "accuracy.png", title=f"W={window} b={buffer} P={period}")
         (out / "results.md").write_text(accuracy_markdown(results))
     rows = lookup_rows(results)  # bootstraps every cell: once, for the tables and the plot
-    tables = (headline_markdown(rows), frontier_markdown(rows), lookup_markdown(results, rows))
+    tables = (
+        statements_markdown(results),
+        headline_markdown(rows),
+        frontier_markdown(rows),
+        lookup_markdown(results, rows),
+    )
     (out / "lookup.md").write_text("\n".join(tables))
     plot_frontier(rows, out / "frontier.png", title=f"P={period}")
     if free:
         console.print(accuracy_rich(results))
+        console.print(statements_markdown(results), markup=False, highlight=False)
         console.print(f"wrote results.csv/json/md, lookup.md, accuracy.png, frontier.png in {out}")
     else:
         console.print(headline_markdown(rows))

@@ -62,6 +62,10 @@ class CellResult:
     (:mod:`kvllm.eval.lookup`); cells written before these existed have ``None``.
     ``held_mean``/``held_end`` average over problems the KV
     slots held for generated tokens over generated tokens, over decoding and at the end.
+    Free cells of the trace-format families also carry the statement grade
+    (:mod:`kvllm.eval.statements`): ``statements`` pools statements right over the
+    program's statements plus the extra ones, ``stopped`` and ``answered`` are shares of
+    problems, ``cap_hits`` counts completions that used their whole token budget.
     """
 
     method: str
@@ -85,6 +89,10 @@ class CellResult:
     fidelity_nonmodal: float | None = None
     floor: float | None = None
     modal_result_share: float | None = None
+    statements: float | None = None
+    stopped: float | None = None
+    answered: float | None = None
+    cap_hits: int | None = None
     problems: list[dict] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
 
@@ -215,12 +223,14 @@ def _bound_inputs(model, tokenizer, prompt_ids, forced, gap: int) -> tuple[list,
 def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, predictions, row: int, keep_ids: bool):
     from kvllm.eval import lookup
 
+    statements = None
     if predictions is not None:
         decoded, owner = lookup.char_to_token(tokenizer, ids)
         t = lookup.forced_tally(tokenizer, problem.prompt, decoded, owner, predictions[row], window)
         recall = lookup.forced_recall(tokenizer, problem.prompt, problem.family, decoded, owner, predictions[row])
     else:
         recall = _recall(problem, text)
+        statements = _statements(problem, text)
         _, owner = lookup.char_to_token(tokenizer, ids)
         prompt_ids = tokenizer(problem.prompt)["input_ids"]
         _, prompt_owner = lookup.char_to_token(tokenizer, prompt_ids)
@@ -242,9 +252,13 @@ def _record(tokenizer, problem: Problem, text: str, ids, stats, window: int, pre
         "kept": stats.physical_length / stats.logical_length,
         "held_mean": stats.held_mean,
         "held_end": stats.held_end,
+        "cap_hit": len(ids) >= problem.max_new_tokens,
     }
+    if predictions is None and statements is not None:
+        record["statements"] = statements
     if keep_ids:
         record["ids"] = list(ids)
+    record["text"] = text  # stored apart from the cell (run_grid)
     return record
 
 
@@ -268,6 +282,7 @@ def _summarise(
     modal = sum(r["modal_reads"] for r in records)
     results = sum(r["results"] for r in records)
     recalls = [r["recall"] for r in records if r["recall"] is not None]
+    graded = [r["statements"] for r in records if r.get("statements") is not None]
     n = len(records)
     return CellResult(
         method=method,
@@ -295,6 +310,10 @@ def _summarise(
         ),
         floor=modal / generated if generated else None,
         modal_result_share=sum(r["modal_results"] for r in records) / results if results else None,
+        statements=sum(g["right"] for g in graded) / sum(g["total"] for g in graded) if graded else None,
+        stopped=sum(g["stopped"] for g in graded) / len(graded) if graded else None,
+        answered=sum(g["answered"] for g in graded) / len(graded) if graded else None,
+        cap_hits=sum(r.get("cap_hit", False) for r in records),
         problems=records,
         params=_resolved(method, config),
     )
@@ -377,6 +396,9 @@ def run_grid(
             keep_ids=method == FULL and cell_mode == "free",
             on_problem=None if on_progress is None else lambda k, name=name: on_progress(name, k),
         )
+        texts = [(r["uid"], r.pop("text")) for r in records]
+        if cell_mode == "free":  # every free completion, so that any cell can be inspected
+            _store_completions(out_dir, key, texts)
         result = _summarise(method, retention, family, cell_mode, config, base, records, time.perf_counter() - start)
         with path.open("a") as f:
             f.write(json.dumps(asdict(result)) + "\n")
@@ -386,6 +408,22 @@ def run_grid(
     results = list(done.values())
     write_tables(results, out_dir)
     return results
+
+
+def completions_path(out_dir: Path, key: tuple) -> Path:
+    """Where a free cell's completions are kept: ``completions/METHOD-rR-FAMILY-WwBb.jsonl.gz``."""
+    method, retention, family, _, window, buffer = key
+    return out_dir / "completions" / f"{method}-r{retention}-{family}-W{window}b{buffer}.jsonl.gz"
+
+
+def _store_completions(out_dir: Path, key: tuple, texts: list[tuple[str, str]]) -> None:
+    import gzip
+
+    path = completions_path(out_dir, key)
+    path.parent.mkdir(exist_ok=True)
+    with gzip.open(path, "wt") as f:
+        for uid, text in texts:
+            f.write(json.dumps({"uid": uid, "text": text}) + "\n")
 
 
 def model_fingerprint(model) -> str:
@@ -449,6 +487,19 @@ def write_tables(results: Sequence[CellResult], out_dir: Path) -> None:
         writer.writeheader()
         writer.writerows(csv_rows)
     (out_dir / "results.json").write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def _statements(problem: Problem, text: str) -> dict[str, int] | None:
+    """The statement grade of a free completion, for a task whose prompt holds a program."""
+    from kvllm.eval.statements import grade, program
+
+    if problem.grader != "task":
+        return None
+    prog = program(problem.prompt)
+    if not len(prog):
+        return None
+    g = grade(prog, text)
+    return {"right": g.right, "total": g.statements + g.extra, "stopped": g.stopped, "answered": g.answered}
 
 
 def _recall(problem: Problem, text: str) -> bool | None:

@@ -431,3 +431,50 @@ def plot_frontier(every: Sequence[dict], path: Path, title: str = "") -> Path:
         unique.update(zip(labels, handles, strict=True))
     fig.legend(unique.values(), unique.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     return save_figure(fig, path, title)
+
+
+def statements_markdown(results: Sequence[CellResult]) -> str:
+    """The statement grade of the free cells (:mod:`kvllm.eval.statements`), per (family,
+    W, b): a row per (method, retention) with statements right [95% bootstrap CI over
+    problems], its ratio to Full KV's on the same problems [95% paired CI], stopped right
+    and answered right [Wilson 95%], the mean chain length over Full KV's, cap hits and the
+    generated KV held at the end. Empty when no free cell carries the grade."""
+    from kvllm.eval.stats import bootstrap_ratio, paired_ratio, wilson
+
+    def counts(cell: CellResult) -> tuple[list[int], list[int]]:
+        graded = [p["statements"] for p in cell.problems]
+        return [g["right"] for g in graded], [g["total"] for g in graded]
+
+    free = [r for r in results if r.mode == "free" and r.statements is not None]
+    out: list[str] = []
+    for family, window, buffer in sorted({(r.family, r.window, r.buffer) for r in free}):
+        group = sorted(
+            (r for r in free if (r.family, r.window, r.buffer) == (family, window, buffer)),
+            key=lambda r: (r.method != FULL, r.method, r.retention),
+        )
+        full = next((r for r in free if r.method == FULL and r.family == family), None)
+        out += [
+            f"**{family}, free-running, W={window}, b={buffer}, {group[0].n} problems: the statement grade**",
+            "",
+            "| method | r | statements right [95% CI] | / Full KV's [95% paired CI] | stopped right | answered right "
+            "| chain / Full KV's | cap hits | held (end) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for cell in group:
+            right, total = counts(cell)
+            lo, hi = bootstrap_ratio(right, total)
+            ratio, length = "-", "-"
+            if full is not None and [p["uid"] for p in full.problems] == [p["uid"] for p in cell.problems]:
+                ratio = "{:.3f} [{:.3f}-{:.3f}]".format(*paired_ratio(right, total, *counts(full)))
+                length = f"{cell.mean_new_tokens / full.mean_new_tokens:.2f}"
+            stopped = round(cell.stopped * cell.n)
+            answered = round(cell.answered * cell.n)
+            s_lo, s_hi = wilson(stopped, cell.n)
+            a_lo, a_hi = wilson(answered, cell.n)
+            out.append(
+                f"| {cell.method} | {cell.retention:g} | {cell.statements:.3f} [{lo:.3f}-{hi:.3f}] | {ratio} "
+                f"| {stopped}/{cell.n} [{s_lo:.2f}-{s_hi:.2f}] | {answered}/{cell.n} [{a_lo:.2f}-{a_hi:.2f}] "
+                f"| {length} | {cell.cap_hits} | {cell.held_end:.3f} |"
+            )
+        out.append("")
+    return "\n".join(out)
