@@ -243,6 +243,34 @@ def test_calibrate_writes_the_models_filters(tiny: Path, tmp_path: Path) -> None
     assert bad_op.exit_code != 0 and "Difficulty.op='mul' is invalid" in bad_op.output
 
 
+def test_calibrate_writes_the_models_retaining_heads(tiny: Path, tmp_path: Path) -> None:
+    """--kind kara-retain: the weights are retain_weights' on the same texts, with labels
+    taken in --window windows and --buffer past them; the file serves kara-retain."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvllm.eval.tasks import make_task
+    from kvllm.hf.calibrate import retain_weights
+
+    out = tmp_path / "retain.safetensors"
+    args = ["calibrate", str(tiny), "--kind", "kara-retain", "--out", str(out), "--n", "2", "--family", "trace"]
+    result = runner.invoke(app, [*args, "--window", "32", "--buffer", "8", "--retention", "0.25"])
+    assert result.exit_code == 0, result.output
+    with safe_open(str(out), framework="pt") as f:
+        weights, metadata = f.get_tensor("retain_weights"), f.metadata()
+    assert weights.shape == (2, 2, 33) and metadata["method"] == "kara-retain"
+    tok, lm = AutoTokenizer.from_pretrained(tiny), AutoModelForCausalLM.from_pretrained(tiny)
+    tasks = [make_task("trace", s) for s in (1_000_000, 1_000_001)]
+    inputs = [tok(t.text, return_tensors="pt")["input_ids"][0] for t in tasks]
+    starts = [len(tok(t.prompt)["input_ids"]) for t in tasks]
+    torch.testing.assert_close(weights, retain_weights(lm, inputs, starts, gap=40, window=32, keep=8))
+    CompressionConfig(method="kara-retain", window=32, buffer=8, params={"calibration": str(out)})
+    with pytest.raises(ValueError, match=r"holds no .* tensor 'q_filters' \(written for kara-retain\)"):
+        CompressionConfig(method="qfilter", window=32, buffer=8, params={"calibration": str(out)})
+    bad = runner.invoke(app, ["calibrate", str(tiny), "--kind", "nope", "--out", str(out)])
+    assert bad.exit_code != 0 and "--kind 'nope' is invalid" in bad.output
+
+
 def test_calibration_flags_set_the_methods_param(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`kvllm serve --kv-calibration` and `kvllm eval --calibration` set qfilter's
     ``calibration``, as ``--kv-param``/``--param`` would; eval gives it to no other method."""

@@ -92,3 +92,66 @@ def q_filters(model: PreTrainedModel, inputs: Sequence[Tensor]) -> Tensor:
     sign = torch.where(2 * positive > tokens, 1.0, -1.0).to(directions.dtype)
     filters = -sign.unsqueeze(-1) * directions
     return filters.view(layers, hkv, hq // hkv, d).mean(dim=2).float().cpu()
+
+
+@torch.inference_mode()
+def retain_weights(
+    model: PreTrainedModel,
+    inputs: Sequence[Tensor],
+    starts: Sequence[int],
+    gap: int,
+    window: int,
+    keep: int,
+    ridge: float = 1.0,
+) -> Tensor:
+    """``kara-retain``'s retaining heads: ``[L, Hkv, 2 D + 1]`` fp32 on the CPU.
+
+    Per (layer, KV head), the ridge regression (penalty ``ridge``) of a key's label on
+    ``[pre-RoPE k_i, v_i, 1]``, over every token ``i`` of every input from ``starts``
+    (the chain of thought, past the prompt) that has queries ``gap`` or more tokens
+    later. The label is 1 when the oracle would keep the key (:mod:`kvllm.eval.oracle`):
+    among the top ``keep`` of its window (the chain cut into ``window``-token windows from
+    its start, as the periodic policy's rounds cut it) by the attention that queries
+    ``gap`` or more tokens later give it in a Full-KV pass, summed over the KV head's
+    group; else 0. (Regressing the attention itself, in logs, ranked worse: a key's mass
+    is dominated by what every later line reads, not by the values a few lines will.)
+    The normal equations are accumulated in fp64, input by input, so no attention matrix
+    outlives its pass.
+    """
+    from kvllm.hf.cache import rope_parameters
+    from kvllm.methods.rope import Rope
+
+    config = model.config
+    layers, hq, hkv = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // hq
+    inv_freq, scaling = rope_parameters(config)
+    rope = Rope.from_inv_freq(inv_freq, max(len(ids) for ids in inputs), scaling)
+    width = 2 * d + 1
+    gram = torch.zeros(layers, hkv, width, width, dtype=torch.float64)
+    moment = torch.zeros(layers, hkv, width, dtype=torch.float64)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        for ids, start in zip(inputs, starts, strict=True):
+            n = len(ids)
+            if n - gap <= start:  # no key has queries gap or more tokens later
+                continue
+            rows = torch.arange(start, n - gap)
+            out = model(input_ids=ids.to(model.device)[None], output_attentions=True, use_cache=True)
+            for layer, attention in enumerate(out.attentions):
+                a = attention[0].float().cpu().unflatten(0, (hkv, hq // hkv)).sum(1)  # [Hkv, T, T]
+                # Mass from queries j >= i + gap: suffix sums down the query axis.
+                later = a.flip(1).cumsum(1).flip(1)[:, rows + gap, rows]  # [Hkv, R]
+                cache = out.past_key_values.layers[layer]
+                keys = rope.unrotate(cache.keys[0].float().cpu()[:, rows], rows.view(1, -1))
+                x = torch.cat([keys, cache.values[0].float().cpu()[:, rows], torch.ones(hkv, len(rows), 1)], -1)
+                y = torch.zeros_like(later)
+                for lo in range(0, later.shape[1], window):
+                    part = later[:, lo : lo + window]
+                    y[:, lo : lo + window].scatter_(1, part.topk(min(keep, part.shape[1]), -1).indices, 1.0)
+                gram[layer] += x.double().transpose(-1, -2) @ x.double()
+                moment[layer] += (x.double() * y.double().unsqueeze(-1)).sum(1)
+    finally:
+        model.set_attn_implementation(previous)
+    penalty = ridge * torch.eye(width, dtype=torch.float64)
+    return torch.linalg.solve(gram + penalty, moment.unsqueeze(-1)).squeeze(-1).float()

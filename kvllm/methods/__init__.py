@@ -17,6 +17,7 @@ from kvllm.methods import (  # noqa: F401
     pyramidkv,
     qfilter,
     random_keep,
+    retain,
     rkv,
     snapkv,
     streamingllm,

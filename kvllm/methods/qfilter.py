@@ -68,17 +68,17 @@ FILTERS = "q_filters"
 
 @dataclass(frozen=True)
 class Calibration:
-    """A calibration file's content.
+    """A calibration file's content: one method's tensor.
 
     Attributes
     ----------
-    q_filters
-        ``[L, Hkv, D]`` fp32, on the CPU.
+    tensor
+        ``[L, Hkv, ...]`` fp32, on the CPU (``q_filters``: ``[L, Hkv, D]``).
     metadata
         What ``kvllm calibrate`` recorded: the model, its shape, the calibration texts.
     """
 
-    q_filters: Tensor
+    tensor: Tensor
     metadata: Mapping[str, str]
 
     def describe(self) -> str:
@@ -101,15 +101,16 @@ def model_signature(model_config: Any) -> dict[str, str]:
     }
 
 
-def save_calibration(path: str | Path, q_filters: Tensor, metadata: Mapping[str, str]) -> None:
-    """Write ``q_filters`` ``[L, Hkv, D]`` and ``metadata`` to ``path`` (safetensors)."""
-    if q_filters.dim() != 3:
-        raise ValueError(f"q_filters must be [L, Hkv, D], got {tuple(q_filters.shape)}")
-    save_file({FILTERS: q_filters.detach().float().cpu().contiguous()}, str(path), metadata=dict(metadata))
+def save_calibration(path: str | Path, tensor: Tensor, metadata: Mapping[str, str], name: str = FILTERS) -> None:
+    """Write a method's ``tensor`` ``[L, Hkv, ...]`` (``q_filters`` by default) and ``metadata`` to ``path``."""
+    if tensor.dim() != 3:
+        raise ValueError(f"{name} must be [L, Hkv, ...], got {tuple(tensor.shape)}")
+    save_file({name: tensor.detach().float().cpu().contiguous()}, str(path), metadata=dict(metadata))
 
 
-def load_calibration(path: str) -> Calibration:
-    """The calibration file at ``path``, read once per (path, modification time, size).
+def load_calibration(path: str, name: str = FILTERS) -> Calibration:
+    """The tensor ``name`` of the calibration file at ``path``, read once per (path,
+    modification time, size).
 
     Raises ``ValueError`` naming ``CompressionConfig.params.calibration`` and what is wrong.
     """
@@ -118,21 +119,46 @@ def load_calibration(path: str) -> Calibration:
     except OSError as err:
         fail(f"{FIELD}.calibration", path, f"cannot be read ({err.strerror}): run `kvllm calibrate MODEL --out PATH`")
     # The stat in the key: a file written again under the same name is read again.
-    return _read(path, stat.st_mtime_ns, stat.st_size)
+    return _read(path, name, stat.st_mtime_ns, stat.st_size)
 
 
 @functools.lru_cache(maxsize=16)
-def _read(path: str, mtime_ns: int, size: int) -> Calibration:
+def _read(path: str, name: str, mtime_ns: int, size: int) -> Calibration:
     try:
         with safe_open(path, framework="pt") as f:
             names = set(f.keys())
-            filters = f.get_tensor(FILTERS) if FILTERS in names else None
+            tensor = f.get_tensor(name) if name in names else None
             metadata = f.metadata() or {}
     except (SafetensorError, OSError) as err:
         fail(f"{FIELD}.calibration", path, f"is not a safetensors file ({err})")
-    if filters is None or filters.dim() != 3 or not filters.is_floating_point():
-        fail(f"{FIELD}.calibration", path, f"holds no [L, Hkv, D] tensor {FILTERS!r}: not a `kvllm calibrate` file")
-    return Calibration(filters.float(), metadata)
+    if tensor is None or tensor.dim() != 3 or not tensor.is_floating_point():
+        kind = f" (written for {metadata['method']})" if "method" in metadata else ""
+        fail(
+            f"{FIELD}.calibration",
+            path,
+            f"holds no [L, Hkv, ...] tensor {name!r}{kind}: not this method's `kvllm calibrate` file",
+        )
+    return Calibration(tensor.float(), metadata)
+
+
+def check_signature(path: str, name: str, model_config: Any, dims: tuple[str | None, ...]) -> None:
+    """The file at ``path`` must be of this model: every field it recorded of
+    :func:`model_signature` (files may predate some fields), and its tensor's leading
+    dimensions named in ``dims`` (``None``: not compared), match ``model_config``'s.
+
+    The model's path is not compared: the same weights may be served from anywhere."""
+    calibration = load_calibration(path, name)
+    expected = model_signature(model_config)
+    shape = {k: str(v) for k, v in zip(dims, calibration.tensor.shape, strict=False) if k is not None}
+    recorded = {**{k: v for k, v in calibration.metadata.items() if k in expected}, **shape}
+    wrong = [f"{k} {v} (this model: {expected[k]})" for k, v in recorded.items() if v != expected[k]]
+    if wrong:
+        fail(
+            f"{FIELD}.calibration",
+            path,
+            f"was written for another model ({calibration.describe()}): {', '.join(wrong)}; "
+            "run `kvllm calibrate MODEL --out PATH` for this one",
+        )
 
 
 @dataclass(frozen=True)
@@ -158,37 +184,21 @@ class QFilter(Method):
     Params = QFilterParams
 
     def check_model(self, model_config: Any) -> None:
-        """The file must be of this model: its filters' shape and every field it recorded
-        of :func:`model_signature` (files may predate some fields) match ``model_config``'s.
-
-        The model's path is not compared: the same weights may be served from anywhere."""
-        path = self.params.calibration
-        calibration = load_calibration(path)
-        expected = model_signature(model_config)
-        names = ("num_layers", "num_kv_heads", "head_dim")
-        shape = dict(zip(names, map(str, calibration.q_filters.shape), strict=True))
-        recorded = {**{k: v for k, v in calibration.metadata.items() if k in expected}, **shape}
-        wrong = [f"{k} {v} (this model: {expected[k]})" for k, v in recorded.items() if v != expected[k]]
-        if wrong:
-            fail(
-                f"{FIELD}.calibration",
-                path,
-                f"was written for another model ({calibration.describe()}): {', '.join(wrong)}; "
-                "run `kvllm calibrate MODEL --out PATH` for this one",
-            )
+        """The file must be of this model: its filters' shape and what it recorded of the model."""
+        check_signature(self.params.calibration, FILTERS, model_config, ("num_layers", "num_kv_heads", "head_dim"))
 
     def select(self, window: Window, budget: int) -> Selection:
         path = self.params.calibration
         calibration = load_calibration(path)
         _, layers, hkv, _, d = window.keys.shape
-        if tuple(calibration.q_filters.shape) != (layers, hkv, d):
+        if tuple(calibration.tensor.shape) != (layers, hkv, d):
             fail(
                 f"{FIELD}.calibration",
                 path,
-                f"holds filters of {list(calibration.q_filters.shape)} [layers, KV heads, head dim] "
+                f"holds filters of {list(calibration.tensor.shape)} [layers, KV heads, head dim] "
                 f"(for {calibration.describe()}), but this model's windows have [{layers}, {hkv}, {d}]",
             )
         c = window.n_compress
-        filters = calibration.q_filters.to(window.keys.device)[None, :, :, None, :]  # [1, L, Hkv, 1, D]
+        filters = calibration.tensor.to(window.keys.device)[None, :, :, None, :]  # [1, L, Hkv, 1, D]
         scores = -(filters * window.keys[..., :c, :].float()).sum(dim=-1)
         return Selection(topk_sorted(scores, min(budget, c)))

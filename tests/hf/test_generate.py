@@ -11,9 +11,8 @@ from transformers import PreTrainedTokenizerFast
 
 from kvllm import CompressionConfig
 from kvllm.hf import generate
-from kvllm.hf.calibrate import q_filters
+from kvllm.hf.calibrate import q_filters, retain_weights
 from kvllm.methods import available, calibrated, method_class
-from kvllm.methods.qfilter import save_calibration
 from kvllm.policy import PeriodicWindowPolicy, SeqState
 from kvllm.testing import model_config, random_model
 
@@ -109,11 +108,14 @@ def test_compressed_generation_matches_masked_full_attention(tokenizer, arch: st
 
 @pytest.fixture(scope="module")
 def calibration(tokenizer, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The Q-Filters of the qwen3 4:2 model below, from its queries on the prompts."""
+    """The Q-Filters and retaining heads of the qwen3 4:2 model below, from its passes over the prompts."""
+    from safetensors.torch import save_file
+
     model = _model(tokenizer, "qwen3", 4, 2)
     inputs = [tokenizer(p, return_tensors="pt")["input_ids"][0] for p in PROMPTS]
-    path = tmp_path_factory.mktemp("calibration") / "q_filters.safetensors"
-    save_calibration(path, q_filters(model, inputs), {"model": "qwen3 4:2, seed 0"})
+    path = tmp_path_factory.mktemp("calibration") / "calibration.safetensors"
+    retain = retain_weights(model, inputs, [4] * len(inputs), gap=4, window=8, keep=2)
+    save_file({"q_filters": q_filters(model, inputs), "retain_weights": retain}, str(path))
     return str(path)
 
 

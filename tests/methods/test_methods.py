@@ -41,11 +41,17 @@ def windows(draw: st.DrawFn) -> tuple[Window, int]:
 
 
 def _calibration_for(folder: Path, window: Window) -> str:
-    """A calibration file of seeded random filters of ``window``'s [L, Hkv, D], one per shape."""
+    """A calibration file of seeded random tensors for ``window``'s shape, one per shape:
+    Q-Filters ``[L, Hkv, D]`` and retaining heads ``[L, Hkv, 2D + 1]`` (each method reads its own)."""
+    from safetensors.torch import save_file
+
     _, layers, hkv, _, d = window.keys.shape
     path = folder / f"{layers}x{hkv}x{d}.safetensors"
     if not path.exists():
-        save_calibration(path, torch.randn(layers, hkv, d, generator=torch.Generator().manual_seed(d)), {})
+        gen = torch.Generator().manual_seed(d)
+        tensors = {"q_filters": torch.randn(layers, hkv, d, generator=gen)}
+        tensors["retain_weights"] = torch.randn(layers, hkv, 2 * d + 1, generator=gen)
+        save_file(tensors, str(path))
     return str(path)
 
 
@@ -289,7 +295,7 @@ def test_qfilter_names_a_missing_or_foreign_calibration_file(tmp_path: Path) -> 
     garbage.write_bytes(b"not a safetensors file")
     other = tmp_path / "other.safetensors"
     save_file({"weights": torch.zeros(2, 2, 4)}, str(other))
-    for path, why in [(garbage, "is not a safetensors file"), (other, "holds no [L, Hkv, D] tensor 'q_filters'")]:
+    for path, why in [(garbage, "is not a safetensors file"), (other, "holds no [L, Hkv, ...] tensor 'q_filters'")]:
         with pytest.raises(ValueError) as err:
             CompressionConfig(method="qfilter", params={"calibration": str(path)})
         assert f"{field}{str(path)!r}" in str(err.value) and why in str(err.value)

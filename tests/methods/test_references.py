@@ -512,6 +512,34 @@ def zscore(s: Tensor) -> Tensor:
     return (s - s.mean()) / s.std().clamp_min(1e-6)
 
 
+def kara_retain_reference(window: Window, budget: int, params: Any) -> Tensor:
+    """kara-retain's spec (kvllm/methods/retain.py): the retaining score ``w . [R_p^T k, v, 1]``
+    with the calibration file's weights, read with safetensors itself; each score z-scored
+    over the window's C keys (torch's unbiased std), mixed, then top-m or Token2Chunk on the
+    mix shifted to its minimum."""
+    weights = load_file(params.calibration)["retain_weights"].double()  # [L, Hkv, 2D + 1]
+    c = window.n_compress
+
+    def kept(bi: int, li: int) -> list[list[int]]:
+        kara = kara_scores(window, bi, li, causal=False).double()
+        keys = pre_rope(window.keys[bi, li, :, :c], window.positions[bi])
+        values = window.values[bi, li, :, :c].double()
+        d = keys.shape[-1]
+        rows = []
+        for h in range(keys.shape[0]):
+            w = weights[li, h]
+            learned = keys[h] @ w[:d] + values[h] @ w[d : 2 * d] + w[2 * d]
+            z = [(s - s.mean()) / s.std().clamp_min(1e-6) for s in (kara[h], learned)]
+            rows.append((1 - params.mix) * z[0] + params.mix * z[1])
+        mixed = torch.stack(rows)
+        if not params.token2chunk:
+            return [top(row, min(budget, c)) for row in mixed]
+        mixed = mixed - mixed.min(dim=-1, keepdim=True).values
+        return token2chunk(mixed.float(), budget, params.rho, params.beta, params.max_gap).tolist()
+
+    return rows_to_mask(window, kept)
+
+
 def noncausal_attn_z(window: Window, bi: int, li: int) -> Tensor:
     """``NonCausalAttnPress.score`` on one chunk, the window: ``[Hkv, C]`` z-scores.
 
@@ -651,6 +679,7 @@ REFERENCES: dict[str, Check] = {
     "kara": exact(kara_reference(causal=False, chunks=True)),
     "kara-causal": exact(kara_reference(causal=True, chunks=True)),
     "kara-topk": exact(kara_reference(causal=False, chunks=False)),
+    "kara-retain": exact(kara_retain_reference),
     "kara-far": exact(kara_far_reference),
     "kara-late": exact(kara_late_reference),
     "kara-twoway": exact(kara_twoway_reference),
@@ -685,6 +714,7 @@ PARAMS: Mapping[str, Mapping[str, Any]] = {
     "kara-late": {"obs_window": BUFFER + 9},
     # Partitions of the buffer's length: the buffer is the last one's reference.
     "lagkv": {"lag_size": BUFFER},
+    "kara-retain": {"mix": 0.3},
 }
 
 
@@ -698,9 +728,13 @@ def build(name: str, params: Mapping[str, Any], window: Window) -> Method:
 def calibration(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A calibration file of seeded random filters for :func:`make_window`'s 4 layers x
     2 KV heads x d = 8."""
-    filters = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(23))
-    path = tmp_path_factory.mktemp("calibration") / "q_filters.safetensors"
-    save_file({"q_filters": filters}, str(path))
+    gen = torch.Generator().manual_seed(23)
+    path = tmp_path_factory.mktemp("calibration") / "calibration.safetensors"
+    # One file for every calibrated method: each reads its own tensor.
+    save_file(
+        {"q_filters": torch.randn(4, 2, 8, generator=gen), "retain_weights": torch.randn(4, 2, 17, generator=gen)},
+        str(path),
+    )
     return str(path)
 
 
@@ -718,6 +752,17 @@ def test_every_registered_method_has_a_reference() -> None:
 def test_selection_matches_reference(name: str, budget: int, calibration: str) -> None:
     window = make_window(BUFFER, seed=budget)
     REFERENCES[name](build(name, params_of(name, calibration), window), window, budget)
+
+
+@pytest.mark.parametrize("params", [{"mix": 1.0, "token2chunk": False}, {"mix": 0.0, "token2chunk": False}])
+def test_kara_retain_top_m_and_its_ends(params: dict[str, Any], calibration: str) -> None:
+    """Plain top-m on the mix; mix 0 is kara-topk's set, mix 1 the learned score's alone."""
+    window = make_window(BUFFER, seed=7)
+    method = build("kara-retain", {**params, "calibration": calibration}, window)
+    REFERENCES["kara-retain"](method, window, 13)
+    if params["mix"] == 0.0:
+        topk = build("kara-topk", {}, window).select(window, 13).indices
+        assert torch.equal(method.select(window, 13).indices, topk)
 
 
 @pytest.mark.parametrize("budget", [5, 13, 30])

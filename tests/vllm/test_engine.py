@@ -76,7 +76,15 @@ def test_keep_all_matches_vanilla_under_preemption(tiny_model: str) -> None:
 
 @pytest.mark.parametrize(
     ("method", "period"),
-    [("kara", 1), ("qfilter", 16), ("snapkv", 16), ("random", 4), ("compactor", 4), ("expected-attention", 4)],
+    [
+        ("kara", 1),
+        ("qfilter", 16),
+        ("kara-retain", 4),
+        ("snapkv", 16),
+        ("random", 4),
+        ("compactor", 4),
+        ("expected-attention", 4),
+    ],
 )
 def test_vllm_path_selects_like_the_hf_reference(tiny_model: str, method: str, period: int, tmp_path) -> None:
     """fp32, retention 0.25: both backends count P in a sequence's own decode steps, so
@@ -95,6 +103,16 @@ def test_vllm_path_selects_like_the_hf_reference(tiny_model: str, method: str, p
         filters = q_filters(model, [tok(p, return_tensors="pt")["input_ids"][0] for p in PROMPTS[-4:]])
         save_calibration(path, filters, {"model": tiny_model, **model_signature(model.config)})
         params = {"calibration": str(path)}
+    if method == "kara-retain":
+        from kvllm.hf.calibrate import retain_weights
+        from kvllm.methods.qfilter import model_signature, save_calibration
+        from kvllm.methods.retain import WEIGHTS
+
+        path = tmp_path / "retain.safetensors"
+        inputs = [tok(p, return_tensors="pt")["input_ids"][0] for p in PROMPTS[-4:]]
+        weights = retain_weights(model, inputs, [2] * len(inputs), gap=8, window=8, keep=2)
+        save_calibration(path, weights, {"model": tiny_model, **model_signature(model.config)}, name=WEIGHTS)
+        params = {"calibration": str(path), "token2chunk": False}
     config = CompressionConfig(method=method, window=32, buffer=8, period=period, retention=0.25, params=params)
     prompts = PROMPTS[:6]
     with engine(tiny_model, config) as llm:
