@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from kvllm.cli.bench import bench_selection, bench_serve, bench_soak, bench_throughput
+from kvllm.cli.bench import bench_goodput, bench_selection, bench_serve, bench_soak, bench_throughput
 from kvllm.cli.calibrate import calibrate
 from kvllm.cli.evaluate import evaluate
 from kvllm.cli.generate import generate
@@ -25,6 +25,7 @@ app.command(
 )(serve)
 bench_app.command("selection")(bench_selection)
 bench_app.command("throughput")(bench_throughput)
+bench_app.command("goodput")(bench_goodput)
 bench_app.command("serve")(bench_serve)
 bench_app.command("soak")(bench_soak)
 

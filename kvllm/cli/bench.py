@@ -1,4 +1,4 @@
-"""``kvllm bench``: selection timing, the throughput sweep, the serving benchmark and the soak."""
+"""``kvllm bench``: selection timing, the throughput sweep, goodput, the serving benchmark and the soak."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kvllm.bench.goodput import DEFAULT_SYSTEMS as GOODPUT_SYSTEMS
 from kvllm.cli.options import (
     ALL_SYSTEMS,
     CONCURRENCY,
@@ -17,6 +18,7 @@ from kvllm.cli.options import (
     Buffer,
     D,
     Model,
+    Op,
     Period,
     Retention,
     Shape,
@@ -24,8 +26,10 @@ from kvllm.cli.options import (
     console,
     make_config,
     model_or_shape,
+    model_path,
     progress,
     split,
+    trained_op,
 )
 
 
@@ -235,3 +239,54 @@ def bench_soak(
     console.print((out / "soak.md").read_text(), markup=False, highlight=False)
     if not report["ok"]:
         raise typer.Exit(1)
+
+
+def bench_goodput(
+    model: Annotated[
+        Path | None,
+        typer.Option(help="A real-weights model that writes the tasks' chains: a directory or a shipped model's name."),
+    ] = Path("kara-reasoner-6l"),
+    family: Annotated[str, typer.Option(help="Task family: reason (default) or trace.")] = "reason",
+    test_seeds: Annotated[str, typer.Option(help="Held-out task seeds A:B (B excluded).")] = "0:48",
+    op: Op = None,
+    system: Annotated[
+        list[str],
+        typer.Option(
+            help="Systems (repeatable or commas): vanilla-default, vanilla-unlimited (no memory pressure: the limit), "
+            "and compressing systems METHOD, METHOD-threshold, METHOD@R or METHOD@R/W/B (kara@0.5/256/64)."
+        ),
+    ] = GOODPUT_SYSTEMS,
+    pool: Annotated[list[str], typer.Option(help="KV pools: Nx (N whole Full-KV requests) or blocks.")] = ["8x"],  # noqa: B006
+    concurrency: Annotated[list[str], typer.Option(help="Requests in flight (max_num_seqs).")] = ["32"],  # noqa: B006
+    repeats: Annotated[int, typer.Option(help="Repeats of every cell (systems alternate).")] = 3,
+    cap: Annotated[
+        int, typer.Option(help="Tokens a request may generate (>= 1.5x the longest reference chain).")
+    ] = 3200,
+    period: Period = D.period,
+    out: Annotated[Path, typer.Option(help="Output folder (reruns resume).")] = Path("bench-goodput"),
+) -> None:
+    """Goodput inside vLLM: graded tasks served to their EOS, accuracy and answers per second."""
+    import shlex
+    import sys
+
+    from kvllm.bench.goodput import Goodput, run_goodput
+    from kvllm.bench.goodput_report import write_report
+
+    path = model_path(model)
+    try:
+        a, _, b = test_seeds.partition(":")
+        run = Goodput(
+            model=str(path), out=out, family=family, seeds=(int(a), int(b)), op=op or trained_op(path),
+            systems=tuple(split(system)), pools=tuple(split(pool)), concurrency=tuple(split(concurrency, int)),
+            repeats=repeats, cap=cap, compression=make_config(period=period),
+        )  # fmt: skip
+        cells = run.cells()
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from err
+    with progress() as bar:
+        job = bar.add_task("goodput", total=len(cells))
+        rows = run_goodput(run, lambda message: bar.update(job, advance=1, description=message))
+    command = "kvllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write_report(rows, out, command=command)
+    console.print((out / "summary.md").read_text(), markup=False, highlight=False)
+    console.print(f"wrote {out}/results.jsonl, summary.json, summary.md, goodput.png and completions/")
