@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvllm.bench.soak import BAD_OVERRIDE, Request, Soak, _judge, checks, draw, sse_lines
+from kvllm.bench.common import sse_lines
+from kvllm.bench.soak import BAD_OVERRIDE, Request, Soak, _judge, checks, draw
 from kvllm.cli import app
 from kvllm.testing import save_tiny_model
 
