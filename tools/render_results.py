@@ -148,22 +148,6 @@ TINY_TRACE = ACCURACY / "tiny-trace"  # kara-reasoner-tiny on trace, baselines a
 CLAIM_METHODS = ("kara", "kara-topk", "kara-causal", "pyramidkv", "snapkv", "adakv", "chunkkv")
 BASELINES = ("snapkv", "pyramidkv", "adakv", "chunkkv")
 RETENTIONS = (0.05, 0.1, 0.2, 0.3, 0.5)
-# The side-by-side grid's methods (tools/reference_grid.sh), Kara and its ablations first.
-GRID_METHODS = (
-    "kara",
-    "kara-causal",
-    "kara-topk",
-    "kara-vpool",
-    "snapkv",
-    "pyramidkv",
-    "adakv",
-    "chunkkv",
-    "h2o",
-    "streamingllm",
-    "rkv",
-    "noncausal-attn",
-    ORACLE,
-)
 # The shipped tiny model's trace grid (tools/accuracy_grid.sh), the oracle first.
 TRACE_METHODS = (
     ORACLE,
@@ -336,9 +320,16 @@ def _reference_6l_tuned(page: Page) -> str:
     return retention_table(page, tuned, "reason", "reference-forced", CLAIM_METHODS, full_from=defaults)
 
 
+def _grid_order(method: str) -> tuple[bool, bool, bool, str]:
+    """Kara, then its variants, then the rest by name, the oracle last."""
+    return (method != "kara", not method.startswith("kara"), method == ORACLE, method)
+
+
 def _side_by_side(page: Page, folder: Path) -> str:
+    """Every method of the grid at r=0.2, a column per model and family."""
     cols = _columns(page, {"tiny": folder / "tiny", "6l": folder / "6l"}, "reference-forced")
-    return "\n".join(fidelity_table(cols, GRID_METHODS, 0.2)) + "\n" + page.source(page.data / folder)
+    methods = sorted({m for c in cols for m, r in c.cells if r == 0.2 and m != FULL}, key=_grid_order)
+    return "\n".join(fidelity_table(cols, methods, 0.2)) + "\n" + page.source(page.data / folder)
 
 
 renderer("accuracy-reference-r02")(partial(_side_by_side, folder=REFERENCE))
