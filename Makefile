@@ -36,8 +36,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	# The README's headline numbers against the stored results files in docs/.
-	$(PY) tools/check_docs.py
+	# Every results table of README.md and docs/ against the stored results files it renders.
+	$(PY) tools/render_results.py --check
 	$(PY) -m pytest -q
 
 clean:

@@ -64,7 +64,7 @@ class CompressionConfig:
         admits a waiting request only while every request's projected physical
         footprint fits the pool at every future step, so compressing requests never
         preempt each other (docs/design.md, "Admission"). vLLM's rule is the default
-        because it measured faster (docs/throughput.md). Engine-wide; a request cannot
+        because it measured faster (docs/results/throughput.md). Engine-wide; a request cannot
         override it.
     params
         Overrides of the method's own parameters (its ``Params`` dataclass, e.g.

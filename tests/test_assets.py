@@ -1,7 +1,7 @@
 """The shipped models: load offline, are what their cards say, and still do what they learned.
 
 Regression guards against a broken model file or tokenizer, with floors set below what
-each model measured (its card and ``docs/accuracy.md``): the default model reads values
+each model measured (its card and ``docs/results/accuracy.md``): the default model reads values
 back (teacher-forced) and answers held-out prompt-needle tasks with Full KV; the second
 model (issue 22) has another shape, reads back the reason family's own chains, and
 writes its own chains of its own operator (shift) and stops at their end.
@@ -141,7 +141,7 @@ def test_second_model_was_trained_on_the_shift() -> None:
 @pytest.mark.parametrize("forced", [True, False], ids=["reference-forced", "free"])
 def test_second_model_reads_chains_back(second, family: str, forced: bool) -> None:
     """Full KV: the model's argmax at each generated read spells its value, in the tasks'
-    own chains forced through its cache (as in ``docs/accuracy.md``'s grid) and in its
+    own chains forced through its cache (as in ``docs/results/accuracy.md``'s grid) and in its
     own free chains, which must also stop at the program's end with the answer."""
     model, tok = second
     steps = 24

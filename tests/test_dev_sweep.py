@@ -9,7 +9,7 @@ from tools.dev_sweep import sweep_difficulty
 
 @pytest.mark.parametrize(("model", "op"), [("kara-reasoner-tiny", "add"), ("kara-reasoner-6l", "shift")])
 def test_sweep_uses_the_models_operator(model: str, op: str) -> None:
-    # Stage 11a learned `shift`; a sweep on `add` graded it on arithmetic it never saw.
+    # kara-reasoner-6l v2 learned `shift`; a sweep on `add` graded it on arithmetic it never saw.
     assert sweep_difficulty("reason", Path(model)).op == op
 
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The accuracy grid of docs/accuracy.md (issue 14), on the held-out test seeds 0-63.
+# The shipped tiny model's accuracy grid (docs/results/accuracy.md, issue 14), on the held-out test seeds 0-63.
 # Resumable: rerun to continue where it stopped. The baselines' knobs are the ones
-# tools/dev_sweep.py chose on development seeds (docs/accuracy.md, "Tuning record").
+# tools/dev_sweep.py chose on development seeds (docs/appendix/accuracy-record.md, "Tuning record").
 #   tools/accuracy_grid.sh [OUT] [STAGE...]   stages: tf frontier free recall methods23 (default: all)
-# methods23 writes to M23 (docs/accuracy/methods23): issue 23's methods, teacher-forced at
+# methods23 writes to M23 (docs/results/data/accuracy/tiny-trace-more-methods): issue 23's methods, teacher-forced at
 # W=128, b=32, at their reference defaults (test/) and at the knobs the development sweep
-# chose (tuned/). Only trace: the shipped model was never trained on reason (docs/accuracy.md).
+# chose (tuned/). Only trace: the shipped model was never trained on reason (docs/results/accuracy.md).
 set -euo pipefail
-OUT=${1:-docs/accuracy/lookup}
+OUT=${1:-docs/results/data/accuracy/tiny-trace}
 shift || true
 STAGES=${*:-tf frontier free recall methods23}
-M23=${M23:-docs/accuracy/methods23}
+M23=${M23:-docs/results/data/accuracy/tiny-trace-more-methods}
 KV=${KV:-.venv/bin/kvllm}
 METHODS=adakv,chunkkv,h2o,kara,kara-causal,kara-far,kara-late,kara-topk,pyramidkv,random,rkv,snapkv,streamingllm
 ALL=0.05,0.1,0.2,0.3,0.5,1.0
@@ -58,7 +58,7 @@ for stage in $STAGES; do
         --retention 0.05,0.1,0.2,0.3,0.5)
       "${T[@]}" --out "$M23/test" --method "$m" --calibration "$cal"
       "${T[@]}" --out "$M23/test" --method bound,oracle
-      # tools/dev_sweep.py's choices (docs/accuracy.md, "Tuning record"), on non-modal fidelity.
+      # tools/dev_sweep.py's choices (docs/appendix/accuracy-record.md, "Tuning record"), on non-modal fidelity.
       "${T[@]}" --out "$M23/tuned" --method kara-vpool,lagkv,compactor,kara-vnorm,kara-pool \
         --param kara-vpool:pool_kernel=7 --param kara-vpool:rho=0.75 --param kara-vpool:max_gap=4 \
         --param lagkv:lag_size=64 --param compactor:blending=0.0 \

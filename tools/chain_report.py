@@ -1,4 +1,4 @@
-"""What each task family's chains of thought ask of a KV cache (docs/accuracy.md, "The reason family").
+"""What each task family's chains of thought ask of a KV cache (docs/guide/evaluation.md, "The reason family").
 
 Per family, over the reference completions of ``--n`` development-range seeds: chain
 length in tokens, reads per chain, the share of reads from the prompt, the information

@@ -35,136 +35,75 @@ from kvllm.eval.tasks import Difficulty, default_difficulty
 # The first seed of `kvllm eval --split dev` (its --dev-seeds default).
 DEV_FIRST_SEED = 100_000
 
-# (method, parameter overrides, window, buffer); the first of each method is its default.
-VARIANTS: list[tuple[str, dict, int, int]] = [
-    ("kara", {}, 128, 32),
-    ("kara", {"rho": 0.25}, 128, 32),
-    ("kara", {"rho": 0.75}, 128, 32),
-    ("kara", {"beta": 0.0}, 128, 32),
-    ("kara", {"beta": 2.0}, 128, 32),
-    ("kara", {"max_gap": 4}, 128, 32),
-    ("kara", {"max_gap": 32}, 128, 32),
-    ("kara", {}, 64, 16),
-    ("kara", {}, 128, 64),
-    ("kara", {}, 256, 64),
-    ("kara-far", {}, 128, 32),
-    ("kara-far", {"band": 4}, 128, 32),
-    ("kara-far", {"band": 16}, 128, 32),
-    ("snapkv", {}, 128, 32),
-    ("snapkv", {"obs_window": 8}, 128, 32),
-    ("snapkv", {"obs_window": 16}, 128, 32),
-    ("snapkv", {"obs_window": 64}, 128, 32),
-    ("snapkv", {"pool_kernel": 1}, 128, 32),
-    ("snapkv", {"pool_kernel": 3}, 128, 32),
-    ("snapkv", {"pool_kernel": 15}, 128, 32),
-    ("chunkkv", {}, 128, 32),
-    ("chunkkv", {"chunk_size": 5}, 128, 32),
-    ("chunkkv", {"chunk_size": 10}, 128, 32),
-    ("chunkkv", {"chunk_size": 40}, 128, 32),
-    ("rkv", {}, 128, 32),
-    ("rkv", {"lam": 0.0}, 128, 32),
-    ("rkv", {"lam": 0.03}, 128, 32),
-    ("rkv", {"lam": 0.15}, 128, 32),
-    ("rkv", {"lam": 0.3}, 128, 32),
+# A variant: (method, parameter overrides, window, buffer).
+Variant = tuple[str, dict, int, int]
+
+
+def at(method: str, *params: dict, window: int = 128, buffer: int = 32) -> list[Variant]:
+    """``method`` with each of ``params`` in turn, at one window and buffer."""
+    return [(method, p, window, buffer) for p in params]
+
+
+# Knob sets that both sweeps below run; each starts with the method's default ({}).
+KARA_KNOBS = ({}, {"rho": 0.25}, {"rho": 0.75}, {"beta": 0.0}, {"beta": 2.0}, {"max_gap": 4}, {"max_gap": 32})
+OBS_WINDOWS = ({}, {"obs_window": 64}, {"obs_window": 128})  # PyramidKV's and AdaKV's
+
+# The shipped model's trace sweep, in the order the rounds ran; the first of each method is its default.
+VARIANTS: list[Variant] = [
+    *at("kara", *KARA_KNOBS),
+    *at("kara", {}, window=64, buffer=16),
+    *at("kara", {}, window=128, buffer=64),
+    *at("kara", {}, window=256, buffer=64),
+    *at("kara-far", {}, {"band": 4}, {"band": 16}),
+    *at("snapkv", {}, {"obs_window": 8}, {"obs_window": 16}, {"obs_window": 64}),
+    *at("snapkv", {"pool_kernel": 1}, {"pool_kernel": 3}, {"pool_kernel": 15}),
+    *at("chunkkv", {}, {"chunk_size": 5}, {"chunk_size": 10}, {"chunk_size": 40}),
+    *at("rkv", {}, {"lam": 0.0}, {"lam": 0.03}, {"lam": 0.15}, {"lam": 0.3}),
     # Second round, after the first showed the observation window matters most.
-    ("snapkv", {"obs_window": 96}, 128, 32),
-    ("snapkv", {"obs_window": 128}, 128, 32),
-    ("snapkv", {"obs_window": 160}, 128, 32),
-    ("snapkv", {"obs_window": 64, "pool_kernel": 3}, 128, 32),
-    ("chunkkv", {"chunk_size": 2}, 128, 32),
-    ("chunkkv", {"chunk_size": 3}, 128, 32),
-    ("chunkkv", {"chunk_size": 5, "obs_window": 64}, 128, 32),
-    ("pyramidkv", {}, 128, 32),
-    ("pyramidkv", {"obs_window": 64}, 128, 32),
-    ("pyramidkv", {"obs_window": 128}, 128, 32),
-    ("adakv", {}, 128, 32),
-    ("adakv", {"obs_window": 64}, 128, 32),
-    ("adakv", {"obs_window": 128}, 128, 32),
-    ("rkv", {"obs_window": 32}, 128, 32),
-    ("rkv", {"obs_window": 64}, 128, 32),
+    *at("snapkv", {"obs_window": 96}, {"obs_window": 128}, {"obs_window": 160}, {"obs_window": 64, "pool_kernel": 3}),
+    *at("chunkkv", {"chunk_size": 2}, {"chunk_size": 3}, {"chunk_size": 5, "obs_window": 64}),
+    *at("pyramidkv", *OBS_WINDOWS),
+    *at("adakv", *OBS_WINDOWS),
+    *at("rkv", {"obs_window": 32}, {"obs_window": 64}),
     # Third round: the best single knobs together.
-    ("rkv", {"obs_window": 32, "lam": 0.3}, 128, 32),
-    ("rkv", {"obs_window": 64, "lam": 0.3}, 128, 32),
-    ("chunkkv", {"chunk_size": 2, "obs_window": 96}, 128, 32),
-    ("snapkv", {"obs_window": 96, "pool_kernel": 3}, 128, 32),
+    *at("rkv", {"obs_window": 32, "lam": 0.3}, {"obs_window": 64, "lam": 0.3}),
+    *at("chunkkv", {"chunk_size": 2, "obs_window": 96}),
+    *at("snapkv", {"obs_window": 96, "pool_kernel": 3}),
     # kara-late (docs/design.md), after the observation window mattered for SnapKV.
-    ("kara-late", {}, 128, 32),
-    ("kara-late", {"obs_window": 32}, 128, 32),
-    ("kara-late", {"obs_window": 96}, 128, 32),
-    ("kara-late", {"obs_window": 128}, 128, 32),
-    # Issue 23: the best value-aware Kara's knobs (session 13), beside the kvpress scorer it trails.
-    ("kara-vpool", {}, 128, 32),
-    ("kara-vpool", {"pool_kernel": 1}, 128, 32),
-    ("kara-vpool", {"pool_kernel": 5}, 128, 32),
-    ("kara-vpool", {"pool_kernel": 7}, 128, 32),
-    ("kara-vpool", {"rho": 0.25}, 128, 32),
-    ("kara-vpool", {"rho": 0.75}, 128, 32),
-    ("kara-vpool", {"max_gap": 4}, 128, 32),
-    ("kara-vpool", {"max_gap": 32}, 128, 32),
-    ("kara-vpool", {"beta": 0.0}, 128, 32),
+    *at("kara-late", {}, {"obs_window": 32}, {"obs_window": 96}, {"obs_window": 128}),
+    # Issue 23: the best value-aware Kara's knobs, beside the kvpress scorer it trails.
+    *at("kara-vpool", {}, {"pool_kernel": 1}, {"pool_kernel": 5}, {"pool_kernel": 7}),
+    *at("kara-vpool", {"rho": 0.25}, {"rho": 0.75}, {"max_gap": 4}, {"max_gap": 32}, {"beta": 0.0}),
     # Its second round: the two knobs that helped, together, and rho=1 (every top token an endpoint).
-    ("kara-vpool", {"rho": 0.75, "max_gap": 4}, 128, 32),
-    ("kara-vpool", {"rho": 1.0}, 128, 32),
-    ("kara-vpool", {"rho": 1.0, "max_gap": 4}, 128, 32),
-    ("kara-vpool", {"pool_kernel": 7, "rho": 0.75, "max_gap": 4}, 128, 32),
+    *at("kara-vpool", {"rho": 0.75, "max_gap": 4}, {"rho": 1.0}, {"rho": 1.0, "max_gap": 4}),
+    *at("kara-vpool", {"pool_kernel": 7, "rho": 0.75, "max_gap": 4}),
     # Its third round: the kernel around that best, on the non-modal grade.
-    ("kara-vpool", {"pool_kernel": 5, "rho": 0.75, "max_gap": 4}, 128, 32),
-    ("kara-vpool", {"pool_kernel": 9, "rho": 0.75, "max_gap": 4}, 128, 32),
-    ("kara-vpool", {"pool_kernel": 7, "rho": 1.0}, 128, 32),
-    ("noncausal-attn", {}, 128, 32),
-    # Issue 23's other methods with knobs, each default first (session 13, non-modal criterion).
+    *at("kara-vpool", {"pool_kernel": 5, "rho": 0.75, "max_gap": 4}, {"pool_kernel": 9, "rho": 0.75, "max_gap": 4}),
+    *at("kara-vpool", {"pool_kernel": 7, "rho": 1.0}),
+    *at("noncausal-attn", {}),
+    # Issue 23's other methods with knobs, each default first (non-modal criterion).
     # knorm, keydiff, tova, noncausal-attn and qfilter have none.
-    ("lagkv", {}, 128, 32),
-    ("lagkv", {"lag_size": 16}, 128, 32),
-    ("lagkv", {"lag_size": 64}, 128, 32),
-    ("compactor", {}, 128, 32),
-    ("compactor", {"blending": 0.0}, 128, 32),
-    ("compactor", {"blending": 0.3}, 128, 32),
-    ("compactor", {"sketch_dimension": 96}, 128, 32),
-    ("expected-attention", {}, 128, 32),
-    ("expected-attention", {"n_future_positions": 128}, 128, 32),
-    ("expected-attention", {"n_future_positions": 2048}, 128, 32),
-    ("expected-attention", {"use_covariance": False}, 128, 32),
+    *at("lagkv", {}, {"lag_size": 16}, {"lag_size": 64}),
+    *at("compactor", {}, {"blending": 0.0}, {"blending": 0.3}, {"sketch_dimension": 96}),
+    *at("expected-attention", {}, {"n_future_positions": 128}, {"n_future_positions": 2048}),
+    *at("expected-attention", {"use_covariance": False}),
     # The value-aware and two-way Karas at kara-vpool's tuned knobs, where they apply.
-    ("kara-vnorm", {}, 128, 32),
-    ("kara-vnorm", {"rho": 0.75, "max_gap": 4}, 128, 32),
-    ("kara-pool", {}, 128, 32),
-    ("kara-pool", {"pool_kernel": 7, "rho": 0.75, "max_gap": 4}, 128, 32),
-    ("kara-twoway", {}, 128, 32),
-    ("kara-twoway", {"rho": 0.75, "max_gap": 4}, 128, 32),
-    ("kara", {"rho": 0.75, "max_gap": 4}, 128, 32),
+    *at("kara-vnorm", {}, {"rho": 0.75, "max_gap": 4}),
+    *at("kara-pool", {}, {"pool_kernel": 7, "rho": 0.75, "max_gap": 4}),
+    *at("kara-twoway", {}, {"rho": 0.75, "max_gap": 4}),
+    *at("kara", {"rho": 0.75, "max_gap": 4}),
 ]
 
 
-# Issue 22 (session 16): the single knobs of the paper's baselines and Kara from the first
-# rounds above, and the pairs that won there, fixed before any of them ran on the second model.
-SECOND_MODEL_VARIANTS: list[tuple[str, dict, int, int]] = [
-    ("kara", {}, 128, 32),
-    ("kara", {"rho": 0.25}, 128, 32),
-    ("kara", {"rho": 0.75}, 128, 32),
-    ("kara", {"beta": 0.0}, 128, 32),
-    ("kara", {"beta": 2.0}, 128, 32),
-    ("kara", {"max_gap": 4}, 128, 32),
-    ("kara", {"max_gap": 32}, 128, 32),
-    ("kara", {"rho": 0.75, "max_gap": 4}, 128, 32),
-    ("snapkv", {}, 128, 32),
-    ("snapkv", {"obs_window": 16}, 128, 32),
-    ("snapkv", {"obs_window": 64}, 128, 32),
-    ("snapkv", {"obs_window": 96}, 128, 32),
-    ("snapkv", {"obs_window": 160}, 128, 32),
-    ("snapkv", {"pool_kernel": 1}, 128, 32),
-    ("snapkv", {"pool_kernel": 15}, 128, 32),
-    ("chunkkv", {}, 128, 32),
-    ("chunkkv", {"chunk_size": 2}, 128, 32),
-    ("chunkkv", {"chunk_size": 5}, 128, 32),
-    ("chunkkv", {"chunk_size": 40}, 128, 32),
-    ("chunkkv", {"chunk_size": 2, "obs_window": 96}, 128, 32),
-    ("pyramidkv", {}, 128, 32),
-    ("pyramidkv", {"obs_window": 64}, 128, 32),
-    ("pyramidkv", {"obs_window": 128}, 128, 32),
-    ("adakv", {}, 128, 32),
-    ("adakv", {"obs_window": 64}, 128, 32),
-    ("adakv", {"obs_window": 128}, 128, 32),
+# Issue 22: the single knobs of the paper's baselines and Kara from the first rounds
+# above, and the pairs that won there, fixed before any of them ran on the second model.
+SECOND_MODEL_VARIANTS: list[Variant] = [
+    *at("kara", *KARA_KNOBS, {"rho": 0.75, "max_gap": 4}),
+    *at("snapkv", {}, {"obs_window": 16}, {"obs_window": 64}, {"obs_window": 96}, {"obs_window": 160}),
+    *at("snapkv", {"pool_kernel": 1}, {"pool_kernel": 15}),
+    *at("chunkkv", {}, {"chunk_size": 2}, {"chunk_size": 5}, {"chunk_size": 40}, {"chunk_size": 2, "obs_window": 96}),
+    *at("pyramidkv", *OBS_WINDOWS),
+    *at("adakv", *OBS_WINDOWS),
 ]
 VARIANT_SETS = {"trace": VARIANTS, "second-model": SECOND_MODEL_VARIANTS}
 
@@ -179,8 +118,8 @@ def label(method: str, params: dict, window: int, buffer: int) -> str:
 def sweep_difficulty(family: str, model: Path | None) -> Difficulty:
     """Trace as in the grid (48 steps, 8 constants), reason at its defaults, each on the
     operator ``model`` was trained on, as in ``kvllm eval``: on another one its arithmetic,
-    and the reads of its results, fail (stage 11a's first sweep ran on ``add``, which it
-    never learned, and Full KV read back 0.891 of the values instead of 1.000)."""
+    and the reads of its results, fail (a first sweep of ``kara-reasoner-6l`` v2 ran on
+    ``add``, which it never learned, and Full KV read back 0.891 of the values, not 1.000)."""
     difficulty = Difficulty(constants=8, steps=48) if family == "trace" else default_difficulty(family)
     return dataclasses.replace(difficulty, op=trained_op(model))
 

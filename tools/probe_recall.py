@@ -3,8 +3,8 @@
 Trains the shipped model's shape on pure recall (records ``name VV``, then queries of
 those names, each followed by its value; names unscored) and prints the teacher-forced
 accuracy of the first (``d1``) and second (``d2``) value digit every 30 seconds. The
-lookup every task needs is ``d1``; ``docs/training-attempts.md`` (session 3) records
-what each setting gave.
+lookup every task needs is ``d1``; ``docs/appendix/training-record.md`` (runs 7-11)
+records what each setting gave.
 
 ``--text probe`` uses a vocabulary of its own (names, digits, ``\\n``, ``|``);
 ``--text trainer`` uses ``tools/train_reasoner.py``'s tokenizer and recall text.

@@ -4,7 +4,7 @@ Usage: python tools/profile_bench_cell.py SPEC_JSON OUT.prof
 
 SPEC_JSON is a file holding one process's spec, as `kvllm.bench.sweep` passes it to
 `python -m kvllm.bench.throughput` (system, model, engine, workload, concurrency,
-compression, repeat). docs/throughput.md used a `kara` spec at pool 256, C=16, 16 x 512.
+compression, repeat). The throughput runs used a `kara` spec at pool 256, C=16, 16 x 512.
 """
 
 from __future__ import annotations

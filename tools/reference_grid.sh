@@ -7,9 +7,9 @@
 # Models, both shipped: tiny = kara-reasoner-tiny (4 layers, head_dim 32, 6/2 heads); 6l =
 # kara-reasoner-6l, issue 22's second model (6 layers, head_dim 64, 8/2 heads; its card).
 # The tiny model was never trained on reason: its reason cell is Full KV alone, to show it
-# (docs/accuracy.md, part 0).
+# (docs/guide/evaluation.md, "The reason family").
 set -euo pipefail
-OUT=${1:-docs/accuracy/reference}
+OUT=${1:-docs/results/data/accuracy/reference-forced}
 shift || true
 STAGES=${*:-r02 tuned reason trace frontier}
 KV=${KV:-.venv/bin/kvllm}
@@ -19,8 +19,8 @@ METHODS=kara,kara-causal,kara-topk,snapkv,pyramidkv,adakv,chunkkv,h2o,streamingl
 # (b) and (c)); the oracle only at r=0.2, where its Full-KV pass took 7 minutes on reason.
 CLAIMS=kara,kara-causal,kara-topk,snapkv,pyramidkv,adakv,chunkkv
 FRONTIER=kara,kara-topk,snapkv,pyramidkv,adakv,chunkkv
-# The second model's development sweep (docs/accuracy/reference/6l-dev-sweep.md: tools/dev_sweep.py
-# --variants second-model --batch-size 8, 32 development seeds, r=0.2, on stage 11a in session 21),
+# The second model's development sweep (docs/results/data/accuracy/reference-forced/6l-dev-sweep.md: tools/dev_sweep.py
+# --variants second-model --batch-size 8, 32 development seeds, r=0.2, on kara-reasoner-6l v2),
 # each method's best non-modal variant (Kara's rho=0.75 ties rho=0.75 max_gap=4; the first listed).
 TUNED="--param kara:rho=0.75 --param snapkv:obs_window=64 --param chunkkv:chunk_size=2
   --param pyramidkv:obs_window=64 --param adakv:obs_window=64"
@@ -39,7 +39,7 @@ for stage in $STAGES; do
       run "$SIXL" 6l "${TRACE[@]}" -- --method "$METHODS,oracle" --retention 0.2,1.0
       run kara-reasoner-tiny tiny "${TRACE[@]}" -- --method "$METHODS,oracle" --retention 0.2,1.0
       run kara-reasoner-tiny tiny "${REASON[@]}" -- --method kara --retention 1.0 ;;
-    tuned)  # tools/dev_sweep.py's choices on the second model's development seeds (docs/accuracy.md)
+    tuned)  # tools/dev_sweep.py's choices on the second model's development seeds (docs/results/accuracy.md)
       "$KV" eval --model "$SIXL" --out "$OUT/6l-tuned" --n 64 --batch-size 8 --reference-forced "${REASON[@]}" \
         --method kara,snapkv,pyramidkv,adakv,chunkkv --retention 0.2,0.05,0.1,0.3,0.5 $TUNED ;;
     reason)  # the realistic family at the other retentions, the lower first

@@ -1,13 +1,13 @@
-"""Redraw ``docs/throughput/``'s summaries and figures from its stored rows: no benchmark runs.
+"""Redraw ``docs/results/data/throughput/``'s summaries and figures from its stored rows: no benchmark runs.
 
 Each folder's per-repeat rows (``results.jsonl`` where stored, else ``results.csv``:
-:func:`tools.check_docs.stored_rows`) go through the package's own report code
+:func:`tools.render_results.stored_rows`) go through the package's own report code
 (:mod:`kvllm.bench.report`): ``summary.json`` and ``summary.md`` are rewritten, and each
 figure the folder stores is redrawn. The pool-usage plot needs the rows' usage traces,
 which ``results.csv`` does not keep, so it is left as it is where only the CSV is stored.
 
 The headline folder's ``throughput.png`` and ``ratios.png`` are drawn from its rows with
-SnapKV-threshold's taken from ``docs/throughput/matched/`` (the rerun at the budget
+SnapKV-threshold's taken from ``docs/results/data/throughput/matched/`` (the rerun at the budget
 matched to Kara's memory, beside the same vanilla-default rows) instead of the headline
 run's own, at the old 192-slot budget; that rerun had no ceiling pool, so SnapKV-threshold
 has no limit line there. ``summary.json``/``.md`` keep the run's own rows.
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from kvllm.bench import report
-from tools.check_docs import DOCS, stored_rows
+from tools.render_results import DATA, stored_rows
 
-# Folder under docs/ -> its plots' title, as `kvllm bench throughput` wrote it.
+# Folder under docs/results/data/ -> its plots' title, as `kvllm bench throughput` wrote it.
 TITLES = {
     "throughput": "tiny-qwen3, 2048 output tokens/request",
     "throughput/c128": "tiny-qwen3, 2048 output tokens/request",
@@ -53,8 +53,8 @@ def _sorted(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def replot(folder: str) -> list[Path]:
     """Rewrite ``folder``'s summaries and redraw its stored figures; returns what it wrote."""
-    out = DOCS / folder
-    rows = _sorted(stored_rows(folder))
+    out = DATA / folder
+    rows = _sorted(stored_rows(out))
     summary = report.summarize(rows)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(report.markdown_table(summary))
@@ -69,20 +69,20 @@ def replot(folder: str) -> list[Path]:
 
 def replot_headline() -> list[Path]:
     """The headline's throughput and ratio figures, SnapKV-threshold at the matched budget."""
-    vanilla = {(r["pool_blocks"], r["concurrency"], r["repeat"], r["tok_s"]) for r in stored_rows(HEADLINE)}
-    matched = stored_rows(MATCHED)
+    vanilla = {(r["pool_blocks"], r["concurrency"], r["repeat"], r["tok_s"]) for r in stored_rows(DATA / HEADLINE)}
+    matched = stored_rows(DATA / MATCHED)
     # Its ratios pair with the headline's own vanilla-default rows, so those must be the same.
     assert all(
         (r["pool_blocks"], r["concurrency"], r["repeat"], r["tok_s"]) in vanilla
         for r in matched
         if r["system"] == report.baseline_of(matched)
-    ), f"docs/{MATCHED} no longer holds the headline's vanilla rows"
-    rows = [r for r in stored_rows(HEADLINE) if r["system"] != MATCHED_SYSTEM]
+    ), f"{DATA / MATCHED} no longer holds the headline's vanilla rows"
+    rows = [r for r in stored_rows(DATA / HEADLINE) if r["system"] != MATCHED_SYSTEM]
     rows += [r for r in matched if r["system"] == MATCHED_SYSTEM]
     summary = report.summarize(_sorted(rows))
     summary["limit"] = [r for r in summary["limit"] if r["system"] != MATCHED_SYSTEM]
     title = f"{TITLES[HEADLINE]}; {MATCHED_SYSTEM} at the matched budget (matched/)"
-    out = DOCS / HEADLINE
+    out = DATA / HEADLINE
     return [
         report.plot_throughput(summary, out / "throughput.png", title),
         report.plot_ratios(summary, out / "ratios.png", title),
@@ -92,9 +92,9 @@ def replot_headline() -> list[Path]:
 def main() -> None:
     for folder in TITLES:
         for path in replot(folder):
-            print(path.relative_to(DOCS.parent))
+            print(path.relative_to(DATA))
     for path in replot_headline():
-        print(path.relative_to(DOCS.parent), "(snapkv-threshold from matched/)")
+        print(path.relative_to(DATA), "(snapkv-threshold from matched/)")
 
 
 if __name__ == "__main__":

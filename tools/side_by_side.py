@@ -1,4 +1,4 @@
-"""Issue 22's side-by-side tables (docs/accuracy.md, part 0) from tools/reference_grid.sh's folders.
+"""Issue 22's side-by-side tables (docs/results/accuracy.md) from tools/reference_grid.sh's folders.
 
     python tools/side_by_side.py [ROOT] [--mode reference-forced] > ROOT/side-by-side.md
 
@@ -39,7 +39,7 @@ FRONTIER = ((64, 16), (256, 64))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("root", type=Path, nargs="?", default=Path("docs/accuracy/reference"))
+    parser.add_argument("root", type=Path, nargs="?", default=Path("docs/results/data/accuracy/reference-forced"))
     parser.add_argument("--mode", default="reference-forced")
     args = parser.parse_args()
     folders = {d.name: d for d in sorted(args.root.iterdir()) if (d / "results.jsonl").exists()}

@@ -65,7 +65,7 @@ def build_tokenizer(
     # Each digit is a token of its own, the same for a value's first and second digit: the
     # name right before a value (``bo41``) is then the token right before its first digit.
     # First digits with tokens of their own (" 4") kept the lookup from forming in
-    # probes that formed it with shared digits (docs/training-attempts.md, session 4).
+    # probes that formed it with shared digits (docs/appendix/training-record.md, runs 12-17).
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(r"\d"), behavior="isolated"),
@@ -122,7 +122,7 @@ def _difficulty(
 
     Level 0 is 2-3 constants and 1-3 steps: with few distractors the copy circuits form
     in hundreds of steps, where with 6-16 constants they had not after 1,900
-    (``docs/training-attempts.md``).
+    (``docs/appendix/training-record.md``).
     """
     top_constants = 3 + round(13 * level)
     top = 3 + round((top_steps - 3) * level)
@@ -140,7 +140,7 @@ def _recall(rng: random.Random, pairs: int, queries: int) -> tuple[str, str]:
     (find the name, copy what follows). Queries without replacement let a model skip
     the lookup and copy a value not yet written back, which is right half the time with
     4 records; probes sat on that shortcut for 600+ steps and formed the lookup within
-    300 once it was gone (``docs/training-attempts.md``). The queried names are random,
+    300 once it was gone (``docs/appendix/training-record.md``). The queried names are random,
     so :func:`_batch` puts no loss on them: a loss there slowed the lookup's forming.
     """
     names = rng.sample(NAMES, pairs)
@@ -159,7 +159,7 @@ def _drill(rng: random.Random, lines: int, op: str = "add") -> tuple[str, str]:
     circuits that combine what sits at fixed offsets in a line are the ones the tasks
     use. :func:`_batch` scores only each line's result: names and operand values are
     random here. In tasks a line's arithmetic is one target in 18 tokens; here it is the
-    whole point, which the tasks alone did not teach in time (session 4).
+    whole point, which the tasks alone did not teach in time (runs 12-17).
     """
     out = []
     for _ in range(lines):
@@ -185,7 +185,7 @@ def rename(texts: tuple[str, ...], rng: random.Random) -> tuple[str, ...]:
     ``NAMES``, so a model can write each next statement's name by that order without
     reading the prompt's program, and then has nothing that tells it where the program
     ends: stage 8 of the second model wrote statements on past the last one
-    (docs/training-attempts.md, "Session 19"). With the names permuted, the next name is
+    (docs/appendix/training-record.md, "Stages 8 and 9"). With the names permuted, the next name is
     only where the prompt's next line has it, and after the last line stands the
     thinking marker. Hedging lines and a restatement's first word (``so``, also a name)
     are words, not names, and keep their letters.
@@ -211,7 +211,7 @@ def copy_spans(target: str) -> tuple[list[tuple[int, int]], tuple[int, int] | No
     teacher-forced (the second 0.98), so its free chains left the program. The end is
     the line `` </think>``, whose first token (the space) is where a chain decides to
     stop: stage 8 gave it a probability of 0.02-0.13 right after reason's last statement,
-    so its chains ran past the program (docs/training-attempts.md, "Session 19").
+    so its chains ran past the program (docs/appendix/training-record.md, "Stages 8 and 9").
     """
     spans, end, offset = [], None, 0
     for line in target.split("\n"):
@@ -375,8 +375,8 @@ def _prev_token_head(model: Qwen3ForCausalLM) -> None:
     A lookup (find the name, copy what follows) is an induction head, which needs a head
     that moves each token's predecessor into its position, and the two only get a
     gradient from each other; from a random start the pair formed after 0.7 minutes in
-    one run and not within 2-4 minutes in five others (``docs/training-attempts.md``,
-    session 4). So every token embedding gets a shared direction ``c``, the head's query
+    one run and not within 2-4 minutes in five others (``docs/appendix/training-record.md``,
+    runs 12-17). So every token embedding gets a shared direction ``c``, the head's query
     and key read only ``c`` (so they are the same for every token), and their rotary pairs
     are set so that the score peaks at distance 1. Everything trains freely from there.
     Whether this speeds the lookup up is not settled: with it, three runs formed the

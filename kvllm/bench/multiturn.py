@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvllm.bench.soak import sse_lines
+from kvllm.bench.common import sse_lines
 
 
 def prompt_ids(vocab_size: int, special_ids: Sequence[int]) -> list[int]:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvllm.bench.common import counters, free_port
 from kvllm.config import CompressionConfig
 
 SYSTEMS: tuple[str, ...] = ("vanilla", "kara")
@@ -33,13 +33,6 @@ FIGURES: tuple[str, ...] = ("ttft", "tpot", "itl")
 PERCENTILES: tuple[int, ...] = (50, 90, 99)
 # Multi-turn rows only: p50 TTFT of the conversations' first turns, and of every later one.
 TURN_KEYS: tuple[str, ...] = ("p50_ttft_turn1_ms", "p50_ttft_later_ms")
-# vLLM's counter, and KvLLM's (kvllm/vllm/metrics.py), summed over their label sets.
-COUNTERS = {
-    "preemptions": "vllm:num_preemptions",
-    "rounds": "kvllm:compression_rounds",
-    # Prompt tokens served from the prefix cache (vLLM's counter, both servers).
-    "prefix_hits": "vllm:prefix_cache_hits",
-}
 
 
 @dataclass(frozen=True)
@@ -176,21 +169,6 @@ def client_args(bench: ServeBench, base: str, kind: str, value: float, result_di
     return parser.parse_args(argv)
 
 
-def counters(base: str, names: dict[str, str] = COUNTERS) -> dict[str, float]:
-    """``names`` (key -> metric) from ``/metrics``, each summed over its label sets (0 for
-    one the server does not export)."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    totals = dict.fromkeys(names, 0.0)
-    for family in text_string_to_metric_families(text):
-        for key, name in names.items():
-            if family.name in (name, name.removesuffix("_total")):
-                totals[key] += sum(s.value for s in family.samples if not s.name.endswith("_created"))
-    return totals
-
-
 def row_of(system: str, repeat: int, kind: str, value: float, result: dict[str, Any], delta: dict[str, float]) -> dict:
     """One load point's row: the client's figures under their vLLM names (and, from the
     multi-turn client, :data:`TURN_KEYS`), and the counters."""
@@ -203,12 +181,6 @@ def row_of(system: str, repeat: int, kind: str, value: float, result: dict[str, 
             row[f"p{p}_{figure}_ms"] = result.get(f"p{p}_{figure}_ms")
     row |= {key: result[key] for key in TURN_KEYS if key in result}
     return {**row, **{k: round(v, 1) for k, v in delta.items()}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_system(bench: ServeBench, system: str, repeat: int, on_row: Callable[[dict[str, Any]], None]) -> None:

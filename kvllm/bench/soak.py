@@ -35,12 +35,12 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvllm.bench.serving import counters, free_port
+from kvllm.bench.common import counters, free_port, sse_lines
 from kvllm.config import CompressionConfig
 
 OFF: dict[str, Any] = {"off": True}
@@ -260,23 +260,6 @@ async def _stream(client: Any, url: str, model: str, request: Request) -> dict[s
     return _judge(request, 200, {"choices": [{"finish_reason": finish, "text": "".join(text)}],
                                  "usage": {"completion_tokens": tokens},
                                  "kv_transfer_params": {"kvllm": stats} if stats is not None else None})  # fmt: skip
-
-
-async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The lines of a server-sent event stream, split only where SSE splits them.
-
-    Not httpx's ``aiter_lines``: it splits like ``str.splitlines``, also at U+0085,
-    U+2028 and U+2029, which JSON leaves unescaped inside strings, so a generated text
-    holding one cut its chunk in two (the first soak lost a request to it).
-    """
-    buffer = b""
-    async for data in chunks:
-        buffer += data
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r").decode()
-    if buffer:
-        yield buffer.rstrip(b"\r").decode()
 
 
 def _judge(request: Request, status: int, data: dict[str, Any]) -> dict[str, Any]:

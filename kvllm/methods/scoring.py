@@ -11,7 +11,7 @@ from kvllm.methods.base import Window
 # Bound on one chunk's attention matrix (elements). The passes over it (max, exp, sum,
 # the column-sum matvec) are memory-bound: a 2 MiB chunk stays in cache between passes,
 # which scored a 16-request round of the tiny model about 1.6x faster than one 26 MB
-# matrix (docs/throughput.md, "Profile of a Kara round").
+# matrix (a profile of a Kara round, in docs/throughput.md until commit 1930a98 rewrote it).
 _MAX_CHUNK_ELEMENTS = 1 << 19
 
 

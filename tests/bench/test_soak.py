@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from kvllm.bench.soak import BAD_OVERRIDE, Request, Soak, _judge, checks, draw, sse_lines
+from kvllm.bench.common import sse_lines
+from kvllm.bench.soak import BAD_OVERRIDE, Request, Soak, _judge, checks, draw
 from kvllm.cli import app
 from kvllm.testing import save_tiny_model
 
@@ -122,7 +123,7 @@ def test_a_small_soak_passes_its_checks(tmp_path: Path) -> None:
     server's own /metrics and the processes' RSS (not a stub: the verdict test above shows
     each check can fail). 200 requests are mostly warm-up (the engine's RSS grew 21% after
     the first 20 here), so RSS is judged from half-way on with a loose bound; the 10%
-    bound belongs to the long soak (docs/serving.md)."""
+    bound belongs to the long soak (docs/results/serving.md)."""
     model = save_tiny_model(tmp_path / "model", seed=1, hidden_size=128, layers=2, heads=4, kv_heads=2, head_dim=32)
     out = tmp_path / "soak"
     args = ["bench", "soak", "--model", str(model), "--requests", "200", "--concurrency", "16"]

@@ -200,7 +200,7 @@ def test_eval_reference_forced_grades_the_tasks_own_chains(tmp_path: Path) -> No
                 assert cell.problems[i]["reads"] == reference.reads
                 assert cell.problems[i]["modal_reads"] == reference.modal_reads
                 assert cell.problems[i]["new_tokens"] == len(tokenizer(task.target)["input_ids"])
-        # The shipped model reads the reference chains back with Full KV (about 0.99, docs/accuracy.md).
+        # The shipped model reads the reference chains back with Full KV (about 0.99, docs/results/accuracy.md).
         assert full.fidelity_generated > 0.9
         # Recall is graded on the argmax at the answer: defined for gen-needle only.
         assert (full.recall is None) == (family == "trace")

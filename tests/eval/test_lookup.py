@@ -188,7 +188,7 @@ def test_lookup_tally_counts_each_read_in_its_distance_bucket() -> None:
 
 
 def test_forced_tally_buckets_the_argmax_reads_by_distance() -> None:
-    """Teacher-forced (docs/accuracy.md's by-distance table): the reads of the forced
+    """Teacher-forced (docs/appendix/accuracy-record.md's by-distance table): the reads of the forced
     completion, graded on the argmax at their digits, in the buckets of their distance."""
     from transformers import AutoTokenizer
 
@@ -334,7 +334,7 @@ def test_the_floor_is_the_generated_reads_of_the_chains_modal_value() -> None:
 
 
 def test_a_constant_writer_scores_the_floor_and_nothing_off_it() -> None:
-    """The model of docs/training-attempts.md's session 12: every result and every read is
+    """The model of docs/appendix/training-record.md's stage 4: every result and every read is
     00. Its fidelity is perfect on a chain of 00s, and its off-floor reads are all wrong."""
     constant = MODAL.replace("cc13", "cc00").replace("cc12", "cc00").replace("ee12", "ee00")
     t = tally(MODAL_PROMPT, constant, window=32)
@@ -358,8 +358,8 @@ def test_a_constant_writer_scores_the_floor_and_nothing_off_it() -> None:
 @pytest.mark.parametrize("family", ["trace", "reason"])
 def test_the_tasks_own_chains_write_distinct_results(family: str, op: str) -> None:
     """The reference chains (true arithmetic, or the shift) are the scale of the modal
-    result share: about 0.06-0.08 over 64 seeds (docs/training-attempts.md, "Session 13"
-    and "Session 14"), far from the 0.56 of the shipped model, which cannot add. Every
+    result share: about 0.06-0.08 over 64 seeds (docs/appendix/training-record.md, "A grade a
+    constant writer cannot pass" and "Stage 5"), far from the 0.56 of the shipped model, which cannot add. Every
     read of a reference chain is right, the shift's included."""
     base = Difficulty(constants=8, steps=48) if family == "trace" else REASON_DIFFICULTY
     difficulty = dataclasses.replace(base, op=op)

@@ -186,7 +186,7 @@ def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str) -> None
         result = _step_all(llm, PROMPTS, greedy(200), abort_at={0: 3, 5: 40, 9: 90, 17: 150})
         sched, run = scheduler(llm), runner(llm)
         # An aborted request's pending PREEMPTED event never reaches vLLM's counter
-        # (docs/serving.md): KvLLM's count, made where the scheduler preempts, is never less.
+        # (docs/guide/serving.md): KvLLM's count, made where the scheduler preempts, is never less.
         assert _vllm_preemptions(llm) <= sched.kv_totals.preemptions
         # The scheduler's reported buffer size is the worker's real one.
         assert sched.kv_stats()["query_buffer_bytes_per_request"] == run.kv_ring.bytes_per_request

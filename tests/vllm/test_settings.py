@@ -269,7 +269,7 @@ def _node(total_gib: float, free_gib: float) -> object:
     [
         (13.21, 11.75, 1, 0.69),  # the issue's machine: 0.92 asks 12.16 GiB of 11.75 free
         (13.21, 11.75, 2, 0.34),  # two workers on the one node share it
-        (8.46, 7.9, 1, 0.68),  # session 12's machine: the API server then took 0.9 GiB before the worker's check
+        (8.46, 7.9, 1, 0.68),  # a smaller machine: the API server there took 0.9 GiB before the worker's check
         (26.42, 26.0, 1, None),  # 0.92 fits beside the start-up reserve: vLLM's default stays
     ],
 )

@@ -1,0 +1,6 @@
+#!/bin/bash
+# Issue 22's Full-KV bars on held-out (test) seeds, free-running, hf backend.
+# Run from the repository root.
+M=${1:-/tmp/r2/stage2}
+.venv/bin/kvllm eval --model $M --out /tmp/r2/eval-trace --family trace,gen-needle --steps 48 --n 16 --method kara --retention 1.0 > /tmp/r2/eval-trace.log 2>&1
+.venv/bin/kvllm eval --model $M --out /tmp/r2/eval-reason --family reason --n 16 --method kara --retention 1.0 > /tmp/r2/eval-reason.log 2>&1

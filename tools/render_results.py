@@ -1,0 +1,809 @@
+"""Render the results tables of README.md and docs/ from the stored results files.
+
+Every results table (and the plot beside it) stands in a page between two marker lines::
+
+    <!-- results:throughput-kara -->
+    ...written by this tool...
+    <!-- /results:throughput-kara -->
+
+Between them goes what the renderer registered under that block name returns, computed
+from the stored files under ``docs/results/data/`` with the package's own report code.
+The prose around the blocks is free to change; the numbers inside them are not.
+
+    python tools/render_results.py            # rewrite every block of README.md and docs/
+    python tools/render_results.py --check    # rewrite nothing; exit 1 naming each stale block
+
+``--check`` also fails on a block no renderer knows, on a marker left open, and on a
+renderer whose block no page holds. It reads only stored files: no model, a few seconds.
+
+Adding a table: write a function that takes the :class:`Page` being rendered and returns
+the block's markdown, register it under the block's name, and put the two marker lines
+where the table belongs; then run the tool to fill the block in::
+
+    @renderer("throughput-goodput")
+    def _goodput(page: Page) -> str:
+        folder = page.data / "throughput" / "goodput"
+        table = my_report.markdown_table(stored_rows(folder))
+        return table + page.source(rows_file(folder))
+
+:meth:`Page.source` names the files a table comes from, :meth:`Page.image` links a plot
+from wherever the page sits, and the renderers below show the report functions at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache, partial
+from pathlib import Path
+from typing import Any
+
+from kvllm.bench import report as throughput_report
+from kvllm.bench import serving_report
+from kvllm.bench.throughput import UNCOMPRESSED
+from kvllm.eval import side_by_side
+from kvllm.eval.grid import FULL, ORACLE, CellResult, load_results
+from kvllm.eval.report import frontier_markdown, lookup_rows
+from kvllm.eval.side_by_side import columns, equal_memory_table, fidelity_table, target_table
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "docs" / "results" / "data"
+
+
+# --- the stored results ------------------------------------------------------------------------
+# Benchmark folders (kvllm bench throughput and serve) hold their per-repeat rows in
+# results.jsonl or, for the older runs, only in results.csv; accuracy folders (kvllm eval)
+# one cell per line of results.jsonl. Both loaders cache what they read.
+
+
+def _typed(text: str) -> int | float | str | None:
+    """A CSV field as the JSON rows hold it: int, float, str, or None when empty."""
+    if text == "":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def rows_file(folder: Path) -> Path:
+    """Where a benchmark folder's rows are: ``results.jsonl`` (the runs' own records) when
+    stored, else ``results.csv`` (what the report wrote from them)."""
+    jsonl = folder / "results.jsonl"
+    return jsonl if jsonl.exists() else folder / "results.csv"
+
+
+@cache
+def stored_rows(folder: Path) -> tuple[dict[str, Any], ...]:
+    """A benchmark folder's per-repeat rows (:func:`rows_file`)."""
+    path = rows_file(folder)
+    if path.suffix == ".jsonl":
+        return tuple(json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    with path.open() as f:
+        return tuple({k: _typed(v) for k, v in row.items()} for row in csv.DictReader(f))
+
+
+@cache
+def stored_cells(folder: Path) -> tuple[CellResult, ...]:
+    """A ``kvllm eval`` folder's cells, from its ``results.jsonl``."""
+    return tuple(load_results(folder / "results.jsonl").values())
+
+
+@dataclass(frozen=True)
+class Page:
+    """The page a block is rendered into, and the stored results it reads."""
+
+    path: Path  # the markdown file
+    data: Path  # the stored results folder (docs/results/data/, or a copy in tests)
+
+    def name(self, path: Path) -> str:
+        """How a stored file is named in prose: its path in the repository."""
+        return f"docs/results/data/{path.relative_to(self.data).as_posix()}"
+
+    def link(self, path: Path) -> str:
+        return Path(os.path.relpath(path, self.path.parent)).as_posix()
+
+    def source(self, *paths: Path) -> str:
+        """A line naming (and linking) the stored files a table comes from."""
+        named = ", ".join(f"[`{self.name(p)}`]({self.link(p)})" for p in paths)
+        return f"\nFrom {named}.\n"
+
+    def image(self, path: Path, alt: str) -> str:
+        return f"\n![{alt}]({self.link(path)})\n"
+
+
+Renderer = Callable[[Page], str]
+RENDERERS: dict[str, Renderer] = {}
+
+
+def renderer(name: str) -> Callable[[Renderer], Renderer]:
+    """Register a renderer for the block ``name``."""
+
+    def register(render: Renderer) -> Renderer:
+        if name in RENDERERS:
+            raise ValueError(f"two renderers for block {name!r}")
+        RENDERERS[name] = render
+        return render
+
+    return register
+
+
+# --- accuracy (kvllm eval folders) -------------------------------------------------------------
+
+ACCURACY = Path("accuracy")
+OWN_CHAINS = ACCURACY / "6l-own-chains"  # kara-reasoner-6l v2 on its own reason chains
+REFERENCE = ACCURACY / "reference-forced"  # both shipped models, the tasks' own chains forced
+REFERENCE_V1 = ACCURACY / "reference-forced-6l-v1"  # the same grid on kara-reasoner-6l v1
+TINY_TRACE = ACCURACY / "tiny-trace"  # kara-reasoner-tiny on trace, baselines at tuned knobs
+# Kara, its two ablations and the paper's four baselines: the claims' methods.
+CLAIM_METHODS = ("kara", "kara-topk", "kara-causal", "pyramidkv", "snapkv", "adakv", "chunkkv")
+BASELINES = ("snapkv", "pyramidkv", "adakv", "chunkkv")
+RETENTIONS = (0.05, 0.1, 0.2, 0.3, 0.5)
+# The shipped tiny model's trace grid (tools/accuracy_grid.sh), the oracle first.
+TRACE_METHODS = (
+    ORACLE,
+    "kara",
+    "kara-topk",
+    "kara-causal",
+    "kara-far",
+    "kara-late",
+    "pyramidkv",
+    "chunkkv",
+    "snapkv",
+    "adakv",
+    "h2o",
+    "rkv",
+    "streamingllm",
+    "random",
+)
+
+
+def _ci(value: float, ci: Sequence[float] | None) -> str:
+    return f"{value:.3f}" if ci is None else f"{value:.3f} [{ci[0]:.3f}-{ci[1]:.3f}]"
+
+
+@cache
+def _lookup(data: Path, folder: Path, family: str, mode: str, window: int = 128, buffer: int = 32) -> list[dict]:
+    """:func:`kvllm.eval.report.lookup_rows` of one setting's cells in ``folder``."""
+    cells = [
+        c
+        for c in stored_cells(data / folder)
+        if (c.family, c.mode, c.window, c.buffer) == (family, mode, window, buffer) and c.problems
+    ]
+    return lookup_rows(cells)
+
+
+def _full(data: Path, folder: Path, family: str, mode: str) -> dict[str, Any]:
+    """The setting's Full-KV row: its own mode's, else the free one (teacher-forced cells
+    force the free Full-KV cell's completions)."""
+    rows = _lookup(data, folder, family, mode) or []
+    for row in rows + _lookup(data, folder, family, "free"):
+        if row["method"] == FULL:
+            return row
+    raise ValueError(f"no Full-KV cell for {family}, {mode} in {folder}")
+
+
+def _recalled(cell: CellResult) -> str:
+    flags = [p["recall"] for p in cell.problems if p["recall"] is not None]
+    return f"{sum(flags)} of {len(flags)}" if flags else "-"
+
+
+def _cell(data: Path, folder: Path, method: str, retention: float, family: str, mode: str) -> CellResult:
+    return next(
+        c
+        for c in stored_cells(data / folder)
+        if (c.method, c.retention, c.family, c.mode, c.window, c.buffer) == (method, retention, family, mode, 128, 32)
+    )
+
+
+def retention_table(
+    page: Page,
+    folder: Path,
+    family: str,
+    mode: str,
+    methods: Sequence[str],
+    value: str = "fidelity",
+    full_from: Path | None = None,
+) -> str:
+    """Per method (a row) and retention (a column): generated-read fidelity [95% CI]
+    (memory held), or with ``value="nonmodal"`` the same on the reads off each chain's
+    modal value; then Full KV's (from ``full_from`` when ``folder`` has none), with its
+    answers' recall when free-running."""
+    rows = _lookup(page.data, folder, family, mode)
+    at = {(r["method"], r["retention"]): r for r in rows}
+    points = sorted({r["retention"] for r in rows if r["method"] != FULL})
+    shown = [m for m in methods if any((m, p) in at for p in points)]
+    lines = ["| method | " + " | ".join(f"r={p:g}" for p in points) + " |", "| --- |" + " ---: |" * len(points)]
+    for m in shown:
+        texts = []
+        for p in points:
+            row = at.get((m, p))
+            if row is None or row[value] is None:
+                texts.append("-")
+            elif value == "fidelity":
+                texts.append(f"{_ci(row['fidelity'], row['fidelity_ci'])} ({row['held_mean']:.2f})")
+            else:
+                texts.append(_ci(row["nonmodal"], row["nonmodal_ci"]))
+        lines.append(f"| {m} | " + " | ".join(texts) + " |")
+    full = _full(page.data, full_from or folder, family, mode)
+    if value == "fidelity":
+        note = f"Full KV reads back {_ci(full['fidelity'], full['fidelity_ci'])} of {full['reads']:,} generated values"
+    else:
+        note = f"Full KV: {_ci(full['nonmodal'], full['nonmodal_ci'])} off a floor of {full['floor']:.2f}"
+    recalled = _recalled(_cell(page.data, full_from or folder, FULL, 1.0, family, "free")) if mode == "free" else "-"
+    if recalled != "-":
+        note += f"; its answers name the asked value in {recalled}"
+    return "\n".join(lines) + f"\n\n{note}.\n" + page.source(page.data / folder / "results.jsonl")
+
+
+def difference_table(
+    page: Page, folder: Path, family: str, mode: str, methods: Sequence[str], key: str = "vs_reference"
+) -> str:
+    """Kara minus each method on the same problems [95% paired CI], a row per method and a
+    column per retention; ``key="vs_reference_nonmodal"`` on the reads off the floor."""
+    rows = _lookup(page.data, folder, family, mode)
+    at = {(r["method"], r["retention"]): r for r in rows}
+    points = sorted({r["retention"] for r in rows if r["method"] != FULL})
+    lines = ["| kara minus | " + " | ".join(f"r={p:g}" for p in points) + " |", "| --- |" + " ---: |" * len(points)]
+    for m in methods:
+        diffs = [(at.get((m, p)) or {}).get(key) for p in points]
+        if any(diffs):
+            texts = ["-" if d is None else f"{d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]" for d in diffs]
+            lines.append(f"| {m} | " + " | ".join(texts) + " |")
+    return "\n".join(lines) + "\n" + page.source(page.data / folder / "results.jsonl")
+
+
+def _columns(page: Page, folders: dict[str, Path], mode: str, window: int = 128, buffer: int = 32) -> list:
+    return columns({label: page.data / f for label, f in folders.items()}, mode, window, buffer)
+
+
+@renderer("summary")
+def _summary(page: Page) -> str:
+    """README: what Kara costs in reads on kara-reasoner-6l v2's own chains and buys in throughput."""
+    rows = {
+        r["retention"]: r for r in _lookup(page.data, OWN_CHAINS, "reason", "free") if r["method"] in ("kara", FULL)
+    }
+    speed = _throughput_mean(page.data, THROUGHPUT / "all4", "kara")
+    lines = [
+        "| Kara's retention r | KV held for generated tokens | values read back right [95% CI] "
+        "| answers that name the asked value | output tok/s over vLLM's |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in sorted(rows, reverse=True):
+        row = rows[r]
+        cell = _cell(page.data, OWN_CHAINS, row["method"], r, "reason", "free")
+        label = "no compression (Full KV)" if row["method"] == FULL else f"{r:g}"
+        gain = "1.00x" if row["method"] == FULL else "not measured"
+        if r == 0.2:
+            label += " (the default)"
+            gain = f"**{speed['mean']:.2f}x** ({speed['low']:.2f}-{speed['high']:.2f}x by load)"
+        lines.append(
+            f"| {label} | {row['held_mean']:.2f} | {_ci(row['fidelity'], row['fidelity_ci'])} "
+            f"| {_recalled(cell)} | {gain} |"
+        )
+    return (
+        "\n".join(lines)
+        + "\n"
+        + page.source(page.data / OWN_CHAINS / "results.jsonl", rows_file(page.data / THROUGHPUT / "all4"))
+        + page.image(page.data / OWN_CHAINS / "frontier.png", "values read back against KV held, every method")
+    )
+
+
+@renderer("accuracy-own-chains-free")
+def _own_chains_free(page: Page) -> str:
+    table = retention_table(page, OWN_CHAINS, "reason", "free", CLAIM_METHODS)
+    return table + page.image(page.data / OWN_CHAINS / "frontier.png", "fidelity against KV held, free and forced")
+
+
+@renderer("accuracy-own-chains-forced")
+def _own_chains_forced(page: Page) -> str:
+    return retention_table(page, OWN_CHAINS, "reason", "teacher-forced", (ORACLE, *CLAIM_METHODS))
+
+
+@renderer("accuracy-reference-6l-reason")
+def _reference_6l_reason(page: Page) -> str:
+    return retention_table(page, REFERENCE / "6l", "reason", "reference-forced", (ORACLE, *CLAIM_METHODS))
+
+
+@renderer("accuracy-reference-6l-tuned")
+def _reference_6l_tuned(page: Page) -> str:
+    tuned, defaults = REFERENCE / "6l-tuned", REFERENCE / "6l"
+    return retention_table(page, tuned, "reason", "reference-forced", CLAIM_METHODS, full_from=defaults)
+
+
+def _grid_order(method: str) -> tuple[bool, bool, bool, str]:
+    """Kara, then its variants, then the rest by name, the oracle last."""
+    return (method != "kara", not method.startswith("kara"), method == ORACLE, method)
+
+
+def _side_by_side(page: Page, folder: Path) -> str:
+    """Every method of the grid at r=0.2, a column per model and family."""
+    cols = _columns(page, {"tiny": folder / "tiny", "6l": folder / "6l"}, "reference-forced")
+    methods = sorted({m for c in cols for m, r in c.cells if r == 0.2 and m != FULL}, key=_grid_order)
+    return "\n".join(fidelity_table(cols, methods, 0.2)) + "\n" + page.source(page.data / folder)
+
+
+renderer("accuracy-reference-r02")(partial(_side_by_side, folder=REFERENCE))
+renderer("accuracy-reference-r02-v1")(partial(_side_by_side, folder=REFERENCE_V1))
+
+
+def _equal_memory(page: Page, folder: Path) -> str:
+    folders = {"tiny": REFERENCE / "tiny", "6l": folder / "6l", "6l-tuned": folder / "6l-tuned"}
+    cols = [c for c in _columns(page, folders, "reference-forced") if c.label != "tiny / reason"]
+    return "\n".join(equal_memory_table(cols, BASELINES, RETENTIONS)) + "\n" + page.source(page.data / folder)
+
+
+renderer("accuracy-equal-memory")(partial(_equal_memory, folder=REFERENCE))
+renderer("accuracy-equal-memory-v1")(partial(_equal_memory, folder=REFERENCE_V1))
+
+
+@renderer("accuracy-claims")
+def _claims(page: Page) -> str:
+    """The paper's claim (a) for Kara at r=0.2, on every testbed of the shipped models."""
+    cols = _columns(page, {"tiny, forced": REFERENCE / "tiny", "6l v2, forced": REFERENCE / "6l"}, "reference-forced")
+    cols = [c for c in cols if c.label != "tiny, forced / reason"]
+    cols += _columns(page, {"6l v2, own chains, teacher-forced": OWN_CHAINS}, "teacher-forced")
+    cols += _columns(page, {"6l v2, own chains, free": OWN_CHAINS}, "free")
+    return "\n".join(target_table(cols)) + "\n" + page.source(page.data / REFERENCE, page.data / OWN_CHAINS)
+
+
+@renderer("accuracy-claims-record")
+def _claims_record(page: Page) -> str:
+    """Claim (a) on the versions and stages that no longer ship."""
+    cols = _columns(page, {"6l v1, forced": REFERENCE_V1 / "6l"}, "reference-forced")
+    stage7 = Path("training") / "6l-stage-7" / "claim-a"
+    cols += _columns(page, {"6l stage 7, free": stage7}, "free")
+    return "\n".join(target_table(cols)) + "\n" + page.source(page.data / REFERENCE_V1 / "6l", page.data / stage7)
+
+
+def _frontier(page: Page, folder: Path, family: str, mode: str, levels: Sequence[float]) -> str:
+    table = frontier_markdown(_every_window(page.data, folder, family, mode), levels).split("\n", 2)[
+        2
+    ]  # without its title line
+    return table.rstrip("\n") + "\n" + page.source(page.data / folder / "results.jsonl")
+
+
+def _every_window(data: Path, folder: Path, family: str, mode: str) -> list[dict]:
+    return [
+        row
+        for window, buffer in ((64, 16), (128, 32), (256, 64))
+        for row in _lookup(data, folder, family, mode, window, buffer)
+    ]
+
+
+@renderer("accuracy-frontier-6l-reason")
+def _frontier_6l(page: Page) -> str:
+    levels = (0.15, 0.2, 0.25, 0.3, 0.4, 0.45, 0.6, 0.7)
+    table = _frontier(page, REFERENCE / "6l", "reason", "reference-forced", levels)
+    return table + page.image(page.data / REFERENCE / "6l" / "frontier.png", "fidelity against KV held, 6l v2")
+
+
+@renderer("accuracy-frontier-tiny-trace")
+def _frontier_tiny(page: Page) -> str:
+    levels = (0.3, 0.4, 0.45, 0.55, 0.6, 0.7, 0.85)
+    table = _frontier(page, TINY_TRACE, "trace", "teacher-forced", levels)
+    return table + page.image(page.data / TINY_TRACE / "frontier.png", "fidelity against KV held, tiny model")
+
+
+@renderer("accuracy-tiny-trace")
+def _tiny_trace(page: Page) -> str:
+    return retention_table(page, TINY_TRACE, "trace", "teacher-forced", TRACE_METHODS)
+
+
+@renderer("accuracy-tiny-trace-off-floor")
+def _tiny_trace_off_floor(page: Page) -> str:
+    return retention_table(page, TINY_TRACE, "trace", "teacher-forced", TRACE_METHODS, value="nonmodal")
+
+
+@renderer("accuracy-tiny-trace-free")
+def _tiny_trace_free(page: Page) -> str:
+    return retention_table(page, TINY_TRACE, "trace", "free", TRACE_METHODS)
+
+
+@renderer("reason-chains")
+def _reason_chains(page: Page) -> str:
+    """What the families' reference chains ask of a cache, as ``tools/chain_report.py`` wrote it."""
+    path = page.data / ACCURACY / "reason-chains" / "chains-train-tokenizer.md"
+    report = path.read_text().split("\n", 2)[2]  # without its tokenizer line and the blank after it
+    return report.rstrip("\n") + "\n" + page.source(path)
+
+
+# The appendix's record: the same report functions on the cells the results pages leave out.
+OTHER_BASELINES = ("pyramidkv", "snapkv", "adakv", "chunkkv", "kara-topk", "kara-causal")
+TRACE_BASELINES = tuple(m for m in TRACE_METHODS if m != "kara")
+MORE_METHODS = ACCURACY / "tiny-trace-more-methods"
+# Issue 23's methods, the best first at r=0.2 on the test seeds, then Kara.
+ISSUE_23_METHODS = (
+    "noncausal-attn",
+    "kara-vpool",
+    "compactor",
+    "kara-vnorm",
+    "kara-pool",
+    "kara-twoway",
+    "expected-attention",
+    "tova",
+    "qfilter",
+    "lagkv",
+    "keydiff",
+    "knorm",
+    "kara",
+)
+
+_FORCED = {"family": "reason", "mode": "reference-forced"}
+_TRACE = {"family": "trace", "mode": "teacher-forced"}
+_BOUND_METHODS = (ORACLE, "bound", "noncausal-attn", "kara-vpool", "kara")
+for _name, _render in {
+    "accuracy-reference-6l-differences": partial(
+        difference_table, folder=REFERENCE / "6l", methods=(ORACLE, *OTHER_BASELINES), **_FORCED
+    ),
+    "accuracy-reference-6l-tuned-differences": partial(
+        difference_table, folder=REFERENCE / "6l-tuned", methods=BASELINES, **_FORCED
+    ),
+    "accuracy-v1-tuned": partial(
+        retention_table,
+        folder=REFERENCE_V1 / "6l-tuned",
+        methods=CLAIM_METHODS,
+        full_from=REFERENCE_V1 / "6l",
+        **_FORCED,
+    ),
+    "accuracy-v1-tuned-differences": partial(
+        difference_table, folder=REFERENCE_V1 / "6l-tuned", methods=BASELINES, **_FORCED
+    ),
+    "accuracy-tiny-trace-differences": partial(difference_table, folder=TINY_TRACE, methods=TRACE_BASELINES, **_TRACE),
+    "accuracy-tiny-trace-off-floor-differences": partial(
+        difference_table, folder=TINY_TRACE, methods=TRACE_BASELINES, key="vs_reference_nonmodal", **_TRACE
+    ),
+    "accuracy-tiny-trace-free-differences": partial(
+        difference_table, folder=TINY_TRACE, family="trace", mode="free", methods=TRACE_BASELINES
+    ),
+    "accuracy-more-methods": partial(retention_table, folder=MORE_METHODS / "test", methods=ISSUE_23_METHODS, **_TRACE),
+    "accuracy-bound": partial(retention_table, folder=MORE_METHODS / "test", methods=_BOUND_METHODS, **_TRACE),
+}.items():
+    renderer(_name)(_render)
+
+
+@renderer("accuracy-v1-differences")
+def _v1_differences(page: Page) -> str:
+    cols = _columns(page, {"tiny": REFERENCE / "tiny", "6l v1": REFERENCE_V1 / "6l"}, "reference-forced")
+    cols = [c for c in cols if c.label != "tiny / reason"]
+    table = side_by_side.difference_table(cols, OTHER_BASELINES, RETENTIONS)
+    return "\n".join(table) + "\n" + page.source(page.data / REFERENCE_V1 / "6l")
+
+
+@renderer("accuracy-tiny-trace-dev-sweep")
+def _dev_sweep(page: Page) -> str:
+    """The trace sweep's table, as ``tools/dev_sweep.py`` wrote it (its cells are not stored)."""
+    path = page.data / TINY_TRACE / "dev-sweep.md"
+    return path.read_text().rstrip("\n") + "\n" + page.source(path)
+
+
+# --- models (their Full-KV evaluations) --------------------------------------------------------
+
+TRAINING = Path("training")
+# kara-reasoner-6l's evaluated checkpoints, in training order: (label, folder, families' folders).
+STAGES = (
+    ("stage 2", TRAINING / "6l-stages-1-2", ("eval-trace", "eval-reason")),
+    ("stage 3 = v1", TRAINING / "6l-stage-3", ("eval-trace", "eval-reason")),
+    ("stage 6", TRAINING / "6l-stage-6", ("eval-trace", "eval-reason")),
+    ("stage 7", TRAINING / "6l-stage-7", ("eval-trace", "eval-reason")),
+    ("stage 8", TRAINING / "6l-stages-8-9" / "stage8", ("eval-trace", "eval-reason")),
+    ("stage 10a", TRAINING / "6l-stages-10-11" / "test", ("stage10a-eval-trace", "stage10a-eval-reason")),
+    ("stage 10b", TRAINING / "6l-stages-10-11" / "test", ("stage10b-eval-trace", "stage10b-eval-reason")),
+    ("stage 11a = v2", TRAINING / "6l-stages-10-11" / "test", ("stage11a-eval-trace", "stage11a-eval-reason")),
+)
+
+
+@renderer("models-6l-stages")
+def _models_6l_stages(page: Page) -> str:
+    """Issue 22's Full-KV bars for each evaluated stage: free-running, 16 test seeds."""
+    lines = [
+        "| checkpoint | family | values read back [95% CI] | off the floor | modal result share "
+        "| prompt reads | answer recall / exact match |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    sources = []
+    for label, folder, evals in STAGES:
+        for name in evals:
+            sources.append(page.data / folder / name / "results.jsonl")
+            for family in ("trace", "gen-needle", "reason"):
+                full = [r for r in _lookup(page.data, folder / name, family, "free") if r["method"] == FULL]
+                if not full:
+                    continue
+                row = full[0]
+                answer = f"exact {row['accuracy']:.3f}" if family == "trace" else f"recall {row['recall']:.3f}"
+                nonmodal = "-" if row["nonmodal"] is None else f"{row['nonmodal']:.3f}"
+                share = "-" if row["modal_result_share"] is None else f"{row['modal_result_share']:.3f}"
+                lines.append(
+                    f"| {label} | {family} | {_ci(row['fidelity'], row['fidelity_ci'])} | {nonmodal} | {share} "
+                    f"| {row['fidelity_prompt']:.3f} | {answer} |"
+                )
+    folders = sorted({p.parent.parent for p in sources})
+    return "\n".join(lines) + "\n" + page.source(*folders)
+
+
+@renderer("models-tiny-full-kv")
+def _models_tiny(page: Page) -> str:
+    """kara-reasoner-tiny's Full-KV exact match, from the first accuracy grid's Full-KV cells."""
+    folder = page.data / ACCURACY / "tiny-exact-match"
+    lines = ["| family | problems | chain-of-thought tokens (mean) | exact match |", "| --- | ---: | ---: | ---: |"]
+    for cell in stored_cells(folder):
+        if cell.method == FULL:
+            lines.append(f"| {cell.family} | {cell.n} | {cell.mean_new_tokens:.0f} | {cell.correct} of {cell.n} |")
+    return "\n".join(lines) + "\n" + page.source(folder / "results.jsonl")
+
+
+# --- throughput (kvllm bench throughput folders) -----------------------------------------------
+
+THROUGHPUT = Path("throughput")
+# Block name -> the run's folder; docs/results/throughput.md says what each run measured.
+THROUGHPUT_RUNS = {
+    "throughput-kara": "all4",
+    "throughput-systems": ".",
+    "throughput-c128": "c128",
+    "throughput-after-preemption": "preempt",
+    "throughput-pool16": "pool16",
+    "throughput-matched": "matched",
+    "throughput-mix": "mix",
+    "throughput-long": "long3800",
+    "throughput-no-pressure-512": "nopress512",
+    "throughput-qwen3-0.6b": "qwen3-0.6b-4l",
+    "throughput-inversion": "inversion",
+}
+
+
+@cache
+def _throughput_summary(folder: Path) -> dict[str, Any]:
+    return throughput_report.summarize(stored_rows(folder))
+
+
+def _throughput_mean(data: Path, folder: Path, system: str) -> dict[str, float]:
+    """``system``'s ratio to the baseline in the tightest pool: the mean over concurrency,
+    and the lowest and highest concurrency's."""
+    summary = _throughput_summary(data / folder)
+    ratios = [c["ratio"] for c in summary["cells"] if (c["system"], c["pool"]) == (system, summary["tight_pool"])]
+    return {"mean": statistics.fmean(ratios), "low": min(ratios), "high": max(ratios)}
+
+
+def throughput_table(page: Page, run: str) -> str:
+    """The run's cells, a row per pool, concurrency and system: output tok/s and its ratio to
+    the baseline within repeats (mean [min-max]), preemptions, requests running, mean TTFT
+    and TPOT, step time and the share of engine time spent compressing (means over
+    repeats); then, when the run had an unpressured pool, the limit rows of
+    :func:`kvllm.bench.report.summarize`."""
+    folder = page.data / THROUGHPUT / run
+    rows = stored_rows(folder)
+    summary = _throughput_summary(folder)
+    base = summary["baseline"]
+    lines = [
+        f"| pool | C | system | tok/s [min-max] | / {base} | preemptions | running | TTFT s | TPOT ms | step ms "
+        "| compress % |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c in summary["cells"]:
+        mine = [
+            r
+            for r in rows
+            if (r["system"], r["pool_blocks"], r["concurrency"]) == (c["system"], c["pool_blocks"], c["concurrency"])
+        ]
+        ttft = statistics.fmean(r["mean_ttft_s"] for r in mine)
+        pool = c["pool"] if c["pool"] == str(c["pool_blocks"]) else f"{c['pool']} ({c['pool_blocks']})"
+        ratio = "-" if c["system"] == base or c["ratio"] is None else f"{c['ratio']:.2f}"
+        if ratio != "-" and c["repeats"] > 1:
+            ratio += f" [{c['ratio_min']:.2f}-{c['ratio_max']:.2f}]"
+        compress = "-" if c["system"] in UNCOMPRESSED else f"{100 * c['compress_share']:.1f}"
+        tok_s = f"{c['tok_s_mean']:.0f} [{c['tok_s_min']:.0f}-{c['tok_s_max']:.0f}]"
+        lines.append(
+            f"| {pool} | {c['concurrency']} | {c['system']} | {tok_s} "
+            f"| {ratio} | {c['preemptions']:.0f} | {c['mean_running']:.1f} | {ttft:.2f} | {c['mean_tpot_ms']:.1f} "
+            f"| {c['mean_step_ms']:.1f} | {compress} |"
+        )
+    if summary["limit"]:
+        lines += [
+            "",
+            f"Each system in pool {summary['tight_pool']} over {base} in pool {summary['ceiling_pool']} (no pressure), "
+            "within repeats:",
+            "",
+            "| system | C | ratio [min-max] |",
+            "| --- | ---: | ---: |",
+        ]
+        lines += [
+            f"| {r['system']} | {r['concurrency']} | {r['ratio']:.2f} [{r['ratio_min']:.2f}-{r['ratio_max']:.2f}] |"
+            for r in summary["limit"]
+        ]
+    return "\n".join(lines) + "\n" + page.source(rows_file(folder))
+
+
+for _name, _run in THROUGHPUT_RUNS.items():
+    renderer(_name)(partial(throughput_table, run=_run))
+
+
+@renderer("throughput-kara-mean")
+def _throughput_kara_mean(page: Page) -> str:
+    """The headline's one number: Kara's ratio averaged over C = 16-128, in one run."""
+    speed = _throughput_mean(page.data, THROUGHPUT / "all4", "kara")
+    return (
+        f"Mean over C = 16, 32, 64, 128: **{speed['mean']:.2f}x** vLLM's output tokens/s "
+        f"({speed['low']:.2f}x to {speed['high']:.2f}x by C).\n"
+    )
+
+
+# --- serving (kvllm bench serve and kvllm bench soak folders) ----------------------------------
+
+SERVING = Path("serving")
+SERVING_RUNS = {
+    "serving-c16": ".",
+    "serving-sweep": "sweep",
+    "serving-shared-prefix-c16": "shared-prefix/c16",
+    "serving-shared-prefix-c32": "shared-prefix/c32",
+    "serving-multi-turn": "multi-turn/c16",
+}
+
+
+def serving_table(page: Page, run: str) -> str:
+    """The run's summary table, as ``kvllm bench serve`` writes it (``summary.md``)."""
+    folder = page.data / SERVING / run
+    cells = serving_report.summarize(stored_rows(folder))
+    return serving_report.markdown_table(cells) + page.source(rows_file(folder))
+
+
+for _name, _run in SERVING_RUNS.items():
+    renderer(_name)(partial(serving_table, run=_run))
+
+# The soaks' reports (``kvllm bench soak`` writes soak.md; only the later runs kept soak.json).
+SOAKS = (
+    ("kvllm serve, first run", "soak/kvllm-first.md"),
+    ("kvllm serve, second run", "soak/kvllm.md"),
+    ("vLLM's own server", "soak/vanilla.md"),
+    ("kvllm serve, shared 300-token prefix", "soak-prefix/soak.md"),
+    ("kvllm serve, shared 300-token prefix", "soak-prefix10k/soak.md"),
+)
+SOAK_HEAD = re.compile(r"# Soak: (?P<requests>\d+) requests, (?P<seconds>\d+) s")
+SOAK_COUNTS = re.compile(r"finished (\d+), cancelled (\d+), rejected (\d+), failed (\d+)")
+SOAK_TOTALS = re.compile(r"Over the soak: (\d+) preemptions, (\d+) compression rounds")
+SOAK_RSS = re.compile(r"(python|VLLM::EngineCore|VLLM::Worker)-\d+ ([+-]\d+\.\d)%")
+
+
+@renderer("serving-soak")
+def _soak(page: Page) -> str:
+    lines = [
+        "| run | requests | seconds | finished / cancelled / refused / failed | preemptions | rounds "
+        "| blocks back | RSS growth after warm-up: API / EngineCore / worker |",
+        "| --- | ---: | ---: | --- | ---: | ---: | --- | --- |",
+    ]
+    paths = []
+    for label, name in SOAKS:
+        path = page.data / SERVING / name
+        paths.append(path)
+        text = path.read_text()
+        head = SOAK_HEAD.search(text)
+        counts = "{:,} / {:,} / {:,} / {:,}".format(*map(int, SOAK_COUNTS.search(text).groups()))
+        preemptions, rounds = SOAK_TOTALS.search(text).groups()
+        growth: dict[str, str] = {}
+        for process, percent in SOAK_RSS.findall(text):  # the server's process first, then its children
+            growth.setdefault(process, percent)
+        blocks = "yes" if "| every block back | True |" in text else "no"
+        rss = " / ".join(f"{growth[p]}%" for p in ("python", "VLLM::EngineCore", "VLLM::Worker"))
+        lines.append(
+            f"| {label} | {int(head['requests']):,} | {int(head['seconds']):,} | {counts} | {int(preemptions):,} "
+            f"| {int(rounds):,} | {blocks} | {rss} |"
+        )
+    return "\n".join(lines) + "\n" + page.source(*paths)
+
+
+# --- the pages ---------------------------------------------------------------------------------
+
+MARKER = re.compile(r"^<!-- (?P<end>/?)results:(?P<name>[a-z0-9.-]+) -->$")
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    start: int  # the opening marker's line index
+    stop: int  # the closing marker's line index
+
+
+def blocks(lines: Sequence[str]) -> tuple[list[Block], list[str]]:
+    """The blocks of a page's lines, and a message per marker that does not pair."""
+    found, problems, open_at = [], [], None
+    for i, line in enumerate(lines):
+        marker = MARKER.match(line)
+        if marker is None:
+            continue
+        name, closing = marker["name"], bool(marker["end"])
+        if not closing and open_at is None:
+            open_at = (name, i)
+        elif closing and open_at is not None and open_at[0] == name:
+            found.append(Block(name, open_at[1], i))
+            open_at = None
+        else:
+            problems.append(f"line {i + 1}: {line} does not pair with the markers around it")
+    if open_at is not None:
+        problems.append(f"line {open_at[1] + 1}: block {open_at[0]!r} is never closed")
+    return found, problems
+
+
+def render_page(path: Path, data: Path, renderers: dict[str, Renderer] = RENDERERS) -> tuple[str, list[str], set]:
+    """The page with every block rendered anew; a message per stale block or bad marker;
+    and the names of the blocks it holds."""
+    text = path.read_text()
+    lines = text.split("\n")
+    found, problems = blocks(lines)
+    page = Page(path, data)
+    out, done = [], 0
+    for block in found:
+        if block.name not in renderers:
+            problems.append(f"block {block.name!r} has no renderer in tools/render_results.py")
+            continue
+        body = "\n".join(lines[block.start + 1 : block.stop])
+        fresh = renderers[block.name](page).strip("\n")
+        if body != fresh:
+            old, new = [*body.split("\n"), ""], [*fresh.split("\n"), ""]
+            first = next(
+                (i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), len(min(old, new, key=len)) - 1
+            )
+            problems.append(
+                f"block {block.name!r} differs from its stored results at its line {first + 1}: "
+                f"{old[first]!r}, rendered {new[first]!r}"
+            )
+        out += [*lines[done : block.start + 1], fresh]
+        done = block.stop
+    out += lines[done:]
+    return "\n".join(out), problems, {b.name for b in found}
+
+
+def pages(root: Path = ROOT) -> list[Path]:
+    """README.md and every page under docs/, the stored results' own files left out."""
+    docs = sorted(p for p in (root / "docs").rglob("*.md") if DATA not in p.parents)
+    return [root / "README.md", *docs]
+
+
+def run(paths: Iterable[Path], data: Path, write: bool, every_renderer: bool) -> list[str]:
+    """Render ``paths``; rewrite the stale ones when ``write``. Returns a message per problem
+    (when writing, the stale blocks it rewrote are none). With ``every_renderer``, a
+    renderer whose block no page holds is a problem too."""
+    for cached in (stored_rows, stored_cells, _lookup, _throughput_summary):
+        cached.cache_clear()  # each run reads the stored files afresh
+    problems, used = [], set()
+    for path in paths:
+        text, found, names = render_page(path, data)
+        used |= names
+        stale = [p for p in found if "differs from its stored results" in p]
+        if write and stale:
+            path.write_text(text)
+            print(f"{_shown(path)}: rewrote {len(stale)} block(s)")
+        problems += [f"{_shown(path)}: {p}" for p in found if not (write and p in stale)]
+    if every_renderer:
+        problems += [f"renderer {name!r} renders no block of any page" for name in sorted(set(RENDERERS) - used)]
+    return problems
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if ROOT in path.parents else str(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="Rewrite nothing; exit 1 naming each stale block.")
+    parser.add_argument("--data", type=Path, default=DATA, help="The stored results (default: docs/results/data).")
+    parser.add_argument("pages", type=Path, nargs="*", help="Pages to render (default: README.md and docs/).")
+    args = parser.parse_args(argv)
+    paths = [p.absolute() for p in args.pages] or pages()
+    problems = run(paths, args.data.absolute(), write=not args.check, every_renderer=not args.pages)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if not problems and args.check:
+        print(f"{len(paths)} pages: every results block matches its stored results")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
