@@ -255,7 +255,7 @@ def plot_ratios(summary: dict[str, Any], path: Path, title: str = "") -> Path:
 def plot_compression(summary: dict[str, Any], path: Path, title: str = "") -> Path:
     """Compression rounds' share of engine time vs concurrency, a line per compressing
     system, a panel per pool: the mechanism of the concurrency-throughput inversion
-    (docs/throughput.md), since a round stalls the whole batch's next step."""
+    (docs/results/throughput.md), since a round stalls the whole batch's next step."""
     fig, panels = _pool_panels(summary)
     for ax, pool in panels:
         for system in SYSTEMS:

@@ -193,7 +193,7 @@ def _engine(spec: Spec) -> Any:
         # Enough for the workload: the pool may hold more than the model's positions.
         max_model_len=min(e.max_model_len, spec.workload.longest + PROMPT_MARGIN),
         # vLLM's default everywhere but `vanilla`; KvLLM's rows stored before #24's prefix
-        # caching were measured with it off (docs/throughput.md).
+        # caching were measured with it off (docs/results/throughput.md).
         enable_prefix_caching=spec.system != "vanilla",
         enforce_eager=True,
         gpu_memory_utilization=0.3,

@@ -4,7 +4,7 @@ For a set of tasks and a tokenizer, from the reference completions (what a perfe
 writes): how many tokens a chain of thought has, how far back each read reaches (the
 reuse-distance histogram, in tokens, per source), and the **information density**, the
 share of chain-of-thought tokens that some later read needs (the ``name`` + two digits
-of each result read again, by a later line or by the answer). docs/accuracy.md compares
+of each result read again, by a later line or by the answer). docs/guide/evaluation.md compares
 ``reason`` with ``trace`` on these.
 """
 

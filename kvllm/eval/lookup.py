@@ -13,7 +13,7 @@ model's arithmetic:
   chain's modal one (the value its generated reads read most often). A writer of one
   constant value scores the rest, the **floor**, for free: the shipped model writes
   ``00`` for 56% of its trace results, and a second model that wrote ``00`` everywhere
-  met fidelity bars with no lookup at all (docs/training-attempts.md, "Session 12").
+  met fidelity bars with no lookup at all (docs/appendix/training-record.md, "Stage 4, and why its bars were hollow").
   The **modal result share** (results equal to the chain's most common result) says
   whether a model computes distinct values at all;
 - **self-recall** (gen-needle): the final answer equals the value the model wrote for

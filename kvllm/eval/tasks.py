@@ -18,7 +18,7 @@ sets are disjoint by seed (:data:`TEST_SEEDS` vs :data:`TRAIN_SEEDS`). Families:
     lines; after the long trace, the answer recalls ``code`` from the prompt.
 ``reason``
     The trace's program and line format, shaped like a reasoning model's chain of
-    thought (:class:`ReasonStyle`, docs/accuracy.md "The reason family"): operands come
+    thought (:class:`ReasonStyle`, docs/guide/evaluation.md, "The reason family"): operands come
     mostly from the last few steps, some from a few re-read anchors, some from the
     prompt's data and some from anywhere; lines restate results in words, hedge
     (``wait, let me double-check that.``) and re-check earlier results (``check ce = bo
@@ -31,7 +31,7 @@ more than a digit copied from an operand), the same programs with a result that 
 too small to add can compute.
 
 The format is regular on purpose, so that a model of a few million parameters trained
-for minutes on a CPU can learn it (``docs/training-attempts.md``): variables are named
+for minutes on a CPU can learn it (``docs/appendix/training-record.md``): variables are named
 in the order of :data:`NAMES` from a random start (the next statement's name follows
 from the previous one), every value has two digits, and every chain-of-thought line
 has the same number of tokens. Every value is written right after its variable's name,
@@ -55,7 +55,7 @@ TRACE_FAMILIES: tuple[str, ...] = ("trace", "gen-needle", "prompt-needle")
 #: Statement operators. ``add``: ``+`` or ``-`` mod 100, the shipped model's tasks.
 #: ``shift`` (``ce = bo : ku = bo41 : ku13 = ce54``): one more than the first operand's tens
 #: digit, and one more than the second's units digit (mod 10), for a model that cannot learn
-#: the arithmetic (docs/training-attempts.md, "Session 14"). Each result digit is one digit
+#: the arithmetic (docs/appendix/training-record.md, "Stage 5"). Each result digit is one digit
 #: copied from a fixed place and stepped, not a 10 x 10 table; the step keeps the values as
 #: varied as ``add``'s (a plain copy of the two digits lets a few values take over a chain).
 OPS: tuple[str, ...] = ("add", "shift")
@@ -162,7 +162,7 @@ def statement_line(values: dict[str, int], name: str, x: str, op: str, y: str) -
 class ReasonStyle:
     """The ``reason`` family's knobs, fixed before any method was scored on it.
 
-    Each default and why it resembles real reasoning traces is in docs/accuracy.md ("The
+    Each default and why it resembles real reasoning traces is in docs/guide/evaluation.md ("The
     reason family"); they must not move to change a score. An operand is drawn from one
     of four pools, with these probabilities (while no step has a result yet, ``recent``
     falls through to the anchors, and ``far`` to the prompt's other constants):

@@ -42,7 +42,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "compress_seconds": ("counter", "Worker time spent compressing"),
     "rounds_refused": ("counter", "Compression rounds not run because they would rewrite a shared or cached KV block"),
     # Counted where the scheduler preempts; vllm:num_preemptions_total misses requests
-    # aborted before their next output, which never deliver the event (docs/serving.md).
+    # aborted before their next output, which never deliver the event (docs/guide/serving.md).
     "preemptions": ("counter", "Requests preempted by the compressing scheduler (vLLM's scheduler too)"),
     "kv_logical_tokens": ("gauge", "Tokens the running requests have seen (their KV without compression)"),
     "kv_physical_tokens": ("gauge", "KV slots the running requests hold (after compression)"),
