@@ -18,3 +18,10 @@ def model_path(name: str = DEFAULT_MODEL) -> Path:
 def shipped() -> tuple[str, ...]:
     """The names of the shipped models, each a directory here with a ``config.json``."""
     return tuple(sorted(p.name for p in Path(__file__).parent.iterdir() if (p / "config.json").exists()))
+
+
+def calibration_file(model: Path, method: str) -> Path | None:
+    """The calibration file a model directory ships for ``method`` (``METHOD.safetensors``,
+    written by ``kvllm calibrate --kind METHOD``), if it has one."""
+    path = Path(model) / f"{method}.safetensors"
+    return path if path.exists() else None

@@ -63,14 +63,17 @@ _SYSTEM = re.compile(
 THRESHOLD_INTERVAL = 64
 
 
-def parse_system(system: str, base: CompressionConfig) -> CompressionConfig | None:
+def parse_system(system: str, base: CompressionConfig, calibration: str | None = None) -> CompressionConfig | None:
     """The compression of a system string (``None`` for the vanilla systems).
 
     ``kara@0.5/256/64`` is Kara at retention 0.5 with W=256, b=64; ``snapkv-threshold@0.2``
     SnapKV's scores under the threshold policy, its budget matched to what Kara holds at
     the same retention after 2,048 tokens; a system without ``@`` takes ``base``'s
-    retention, window and buffer. Raises ``ValueError`` naming the system when it is not one.
+    retention, window and buffer. A method that reads a calibration file gets
+    ``calibration``. Raises ``ValueError`` naming the system when it is not one.
     """
+    from kvllm.methods import calibrated
+
     if system in VANILLA:
         return None
     m = _SYSTEM.match(system)
@@ -80,6 +83,11 @@ def parse_system(system: str, base: CompressionConfig) -> CompressionConfig | No
             "[@RETENTION[/WINDOW/BUFFER]] (kara@0.5/256/64)"
         )
     changes: dict[str, Any] = {"method": m["name"], "policy": m["policy"] or "periodic", "admission": "vllm"}
+    try:
+        if calibrated(m["name"]):
+            changes["params"] = {"calibration": calibration or ""}
+    except ValueError as err:  # not a method
+        raise ValueError(f"--system {system!r} is invalid: {err}") from err
     if m["r"] is not None:
         changes["retention"] = float(m["r"])
     if m["w"] is not None:
@@ -150,6 +158,8 @@ class Goodput:
         passes and restatements and run about 0.75 of its length), or a number of
         blocks. ``vanilla-unlimited`` always gets room for every request in flight at
         the cap.
+    calibration
+        The calibration file of the methods that read one (``kara-retain``, ``qfilter``).
     cap
         Tokens a request may generate. It should be at least 1.5 times Full KV's longest
         chain, so that a chain that runs long is charged for it; the report says what
@@ -167,6 +177,7 @@ class Goodput:
     repeats: int = 3
     cap: int = 3200
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         from kvllm.eval.tasks import FAMILIES, OPS
@@ -180,7 +191,7 @@ class Goodput:
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise ValueError(f"--concurrency {list(self.concurrency)} is invalid: each must be >= 1")
         for system in self.systems:
-            parse_system(system, self.compression)
+            parse_system(system, self.compression, self.calibration)
         for pool in self.pools:
             if not (pool.isdigit() or (pool.endswith("x") and pool[:-1].isdigit() and int(pool[:-1]) >= 1)):
                 raise ValueError(f"--pool {pool!r} is invalid: must be a number of blocks or Nx (N whole requests)")
@@ -227,7 +238,7 @@ class Goodput:
                 for repeat in range(self.repeats):
                     k = repeat % len(systems)
                     for system in systems[k:] + systems[:k]:
-                        config = parse_system(system, self.compression)
+                        config = parse_system(system, self.compression, self.calibration)
                         out.append(
                             Cell(
                                 system=system,

@@ -263,22 +263,35 @@ def bench_goodput(
         int, typer.Option(help="Tokens a request may generate (>= 1.5x the longest reference chain).")
     ] = 3200,
     period: Period = D.period,
+    calibration: Annotated[
+        Path | None,
+        typer.Option(help="The calibration file of kara-retain or qfilter; default: the one the model ships, if any."),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Output folder (reruns resume).")] = Path("bench-goodput"),
 ) -> None:
     """Goodput inside vLLM: graded tasks served to their EOS, accuracy and answers per second."""
     import shlex
     import sys
 
+    from kvllm.assets import calibration_file
     from kvllm.bench.goodput import Goodput, run_goodput
     from kvllm.bench.goodput_report import write_report
 
     path = model_path(model)
+    if calibration is None:  # the shipped file of the one calibrated method asked for, if any
+        from kvllm.bench.goodput import _SYSTEM
+        from kvllm.methods import available, calibrated
+
+        named = {m["name"] for s in split(system) if (m := _SYSTEM.match(s)) and m["name"] in available()}
+        files = [calibration_file(path, name) for name in named if calibrated(name)]
+        calibration = next((f for f in files if f is not None), None)
     try:
         a, _, b = test_seeds.partition(":")
         run = Goodput(
             model=str(path), out=out, family=family, seeds=(int(a), int(b)), op=op or trained_op(path),
             systems=tuple(split(system)), pools=tuple(split(pool)), concurrency=tuple(split(concurrency, int)),
             repeats=repeats, cap=cap, compression=make_config(period=period),
+            calibration=None if calibration is None else str(calibration),
         )  # fmt: skip
         cells = run.cells()
     except ValueError as err:

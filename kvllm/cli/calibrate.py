@@ -11,6 +11,15 @@ import typer
 from kvllm.cli.options import TASK_FAMILIES, D, Op, console, load_model, model_path, split, trained_op
 from kvllm.eval.tasks import FAMILIES, TRAIN_SEEDS
 
+
+def shipped_name(path: Path) -> str | None:
+    """A shipped model's name, for files that record their model (not its path on one machine)."""
+    from kvllm.assets import model_path as shipped_path
+    from kvllm.assets import shipped
+
+    return path.name if path.name in shipped() and path.resolve() == shipped_path(path.name).resolve() else None
+
+
 KINDS = ("qfilter", "kara-retain")
 
 
@@ -75,7 +84,7 @@ def calibrate(
     inputs = [tok(t.text, return_tensors="pt")["input_ids"][0] for t in tasks]
     metadata = {
         "method": kind,
-        "model": str(path),
+        "model": shipped_name(path) or str(path),
         **model_signature(lm.config),
         "op": op,
         "tasks": json.dumps([[t.family, t.seed] for t in tasks]),
