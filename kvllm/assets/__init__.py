@@ -21,7 +21,8 @@ def shipped() -> tuple[str, ...]:
 
 
 def calibration_file(model: Path, method: str) -> Path | None:
-    """The calibration file a model directory ships for ``method`` (``METHOD.safetensors``,
-    written by ``kvllm calibrate --kind METHOD``), if it has one."""
-    path = Path(model) / f"{method}.safetensors"
+    """The calibration file a model directory ships for ``method``
+    (``calibration/METHOD.safetensors``, written by ``kvllm calibrate --kind METHOD``), if
+    it has one. Not beside the weights: vLLM loads every ``*.safetensors`` there as a shard."""
+    path = Path(model) / "calibration" / f"{method}.safetensors"
     return path if path.exists() else None
