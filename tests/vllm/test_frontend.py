@@ -33,6 +33,11 @@ def test_check_request_names_what_it_refuses() -> None:
     check_request(None, _request(resumable=True))
     with pytest.raises(RequestError, match="at least 5"):
         check_request(KARA, _request(prompt=4), min_prompt_tokens=5)
+    # Not guarded: prompt embeddings (no ids) and a streaming session's pieces (its sentinel).
+    embeds = _request(prompt=0)
+    embeds.prompt_token_ids = None
+    check_request(KARA, embeds, min_prompt_tokens=5)
+    check_request(KARA, _request({"kvllm": {"off": True}}, resumable=True, prompt=1), min_prompt_tokens=5)
     # vLLM answers it with HTTP 400; Python callers catch a ValueError.
     assert issubclass(RequestError, ValueError)
 

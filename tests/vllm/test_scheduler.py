@@ -55,3 +55,32 @@ def test_under_strict_a_refused_round_raises(monkeypatch: pytest.MonkeyPatch) ->
     region = Region(start=40, n_compress=32, span=40, n_queries=40, budget=6)
     with pytest.raises(AssertionError, match="shared or cached blocks"):
         CompressingScheduler._safe(sched, SimpleNamespace(request_id="r"), region, 80)
+
+
+def test_after_a_refused_round_a_request_compresses_no_more_and_keeps_its_slots(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The refused region would be planned again every period: the request stops
+    compressing instead, counted once, and its slots dropped so far still reach the worker."""
+    from kvllm.config import CompressionConfig
+    from kvllm.vllm import scheduler as module
+    from kvllm.vllm.engine import scheduler_of
+    from tests.vllm.conftest import PROMPTS, engine, greedy
+
+    monkeypatch.setenv(STRICT_ENV, "0")
+    refuse = {"on": False}
+    real = module.unsafe_blocks
+    monkeypatch.setattr(module, "unsafe_blocks", lambda *a: [0] if refuse["on"] else real(*a))
+    with engine(tiny_model, CompressionConfig(window=32, buffer=8, period=4, retention=0.2)) as llm:
+        eng, sched = llm.llm.llm_engine, scheduler_of(llm)
+        eng.add_request("0", PROMPTS[0], greedy(200))
+        out = None
+        while eng.has_unfinished_requests():
+            refuse["on"] = sched.kv_totals.rounds >= 1
+            for o in eng.step():
+                out = o if o.finished else out
+        assert sched.kv_totals.rounds == 1 and sched.kv_totals.rounds_refused == 1
+    stats = out.kv_transfer_params["kvllm"]
+    assert len(out.outputs[0].token_ids) == 200
+    assert stats["compressions"] == 1 and stats["tokens_dropped"] > 0
+    assert stats["physical_length"] == stats["logical_length"] - stats["tokens_dropped"]

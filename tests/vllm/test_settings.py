@@ -370,6 +370,13 @@ def test_engine_features_a_round_would_break_are_refused_at_start_up(
         _vllm_config(tiny_model, **kwargs)
 
 
+def test_a_kv_cache_dtype_equal_to_the_models_is_accepted(tiny_model: str) -> None:
+    """Not a quantized cache: bf16 KV for a bf16 model is what auto gives."""
+    assert _vllm_config(tiny_model, dtype="bfloat16", kv_cache_dtype="bfloat16") is not None
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float16'.*model's dtype \(bfloat16\)"):
+        _vllm_config(tiny_model, dtype="bfloat16", kv_cache_dtype="float16")
+
+
 def test_settings_vllm_decides_itself_are_checked_as_it_decided(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -388,6 +395,10 @@ def test_settings_vllm_decides_itself_are_checked_as_it_decided(
     with monkeypatch.context() as m:
         m.setattr(type(current_platform), "is_cpu", lambda self: False)
         with pytest.raises(ValueError, match="CPU model runner only"):
+            check_vllm_config(config)
+    with monkeypatch.context() as m:
+        m.setattr(config.parallel_config, "decode_context_parallel_size", 2)
+        with pytest.raises(ValueError, match=r"decode_context_parallel_size=2 \(--decode-context-parallel-size\)"):
             check_vllm_config(config)
     with monkeypatch.context() as m:
         m.setattr(config.scheduler_config, "async_scheduling", True)
