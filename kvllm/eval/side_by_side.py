@@ -112,26 +112,50 @@ def equal_memory_table(
     slack: float = MEMORY_SLACK,
 ) -> list[str]:
     """``reference`` minus each baseline **at equal memory** [95% paired CI]: per
-    ``reference`` cell, the baseline's best cell (by fidelity, at any retention) that holds
-    no more of the generated KV than it, within ``slack``; its r and memory held in
-    brackets. Choosing the baseline's best favours the baseline, so ``above`` is the
-    conservative verdict. ``-`` where every baseline cell holds more."""
+    ``reference`` cell, the baseline's accuracy-memory curve interpolated at the memory
+    that cell holds (:func:`at_memory`: linear between the baseline's two cells around
+    it, problem by problem), with the two cells' r in brackets. ``-`` where the
+    baseline's cells do not reach that memory (within ``slack``): no extrapolation.
+
+    An earlier rule took the baseline's best cell at or below the reference's memory,
+    which compares against a cell holding less and inflates the margin."""
 
     def text(col: Column, baseline: str, r: float) -> str:
         ours = col.get(reference, r)
         if ours is None:
             return "-"
-        fits = [
-            c
-            for (m, _), c in col.cells.items()
-            if m == baseline and c.held_mean <= ours.held_mean + slack and _paired(ours, c)
-        ]
-        if not fits:
+        curve = [c for (m, _), c in col.cells.items() if m == baseline and _paired(ours, c)]
+        theirs = at_memory(curve, ours.held_mean, slack)
+        if theirs is None:
             return "-"
-        theirs = max(fits, key=lambda c: c.fidelity_generated)
-        return f"{_difference(ours, theirs)} (r={theirs.retention:g}, {theirs.held_mean:.2f})"
+        (right, total), (lo, hi) = theirs
+        d, d_lo, d_hi = paired_difference(*ours.read_counts(), right, total)
+        verdict = " above" if d_lo > 0 else " below" if d_hi < 0 else ""
+        where = f"r={lo.retention:g}" if lo is hi else f"r={lo.retention:g}-{hi.retention:g}"
+        return f"{d:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}]{verdict} ({where})"
 
     return _baseline_rows(cols, baselines, retentions, f"| {reference} minus | {reference}'s r |", text)
+
+
+def at_memory(
+    curve: Sequence[CellResult], held: float, slack: float = MEMORY_SLACK
+) -> tuple[tuple[list[float], list[float]], tuple[CellResult, CellResult]] | None:
+    """A method's per-problem read counts (right, total) interpolated at memory ``held``
+    along its cells ``curve`` (each at its time-averaged ``held_mean``), and the two cells
+    it lies between; ``None`` outside the curve's range (beyond ``slack``)."""
+    points = sorted(curve, key=lambda c: c.held_mean)
+    if not points or held < points[0].held_mean - slack or held > points[-1].held_mean + slack:
+        return None
+    below = [c for c in points if c.held_mean <= held]
+    above = [c for c in points if c.held_mean >= held]
+    lo = below[-1] if below else points[0]
+    hi = above[0] if above else points[-1]
+    t = 0.0 if hi.held_mean == lo.held_mean else (held - lo.held_mean) / (hi.held_mean - lo.held_mean)
+    t = min(max(t, 0.0), 1.0)
+    (r_lo, n_lo), (r_hi, n_hi) = lo.read_counts(), hi.read_counts()
+    right = [(1 - t) * a + t * b for a, b in zip(r_lo, r_hi, strict=True)]
+    total = [(1 - t) * a + t * b for a, b in zip(n_lo, n_hi, strict=True)]
+    return (right, total), (lo, hi)
 
 
 def _difference(ours: CellResult, theirs: CellResult) -> str:

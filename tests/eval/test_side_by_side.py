@@ -68,9 +68,11 @@ def test_cells_of_another_mode_or_window_are_left_out(tmp_path: Path) -> None:
     assert columns({"tiny": folder}, MODE) == []
 
 
-def test_equal_memory_pairs_kara_with_the_baselines_best_cell_that_holds_no_more(tmp_path: Path) -> None:
-    """PyramidKV holds more at each r: at Kara's r=0.2 memory (0.35) its r=0.1 cell (0.34)
-    is the one that fits, though its r=0.2 cell reads more; nothing of it fits Kara's r=0.05."""
+def test_equal_memory_interpolates_the_baselines_curve_at_karas_memory(tmp_path: Path) -> None:
+    """PyramidKV holds more at each r: at Kara's r=0.2 memory (0.35) its curve lies between
+    its r=0.1 cell (0.34, 6 of 10 reads) and its r=0.2 cell (0.51, 9 of 10): 1/17 of the
+    way, 0.6 + 0.3/17. Nothing of it reaches Kara's r=0.05 (0.22), and no curve is
+    extrapolated; SnapKV's cells sit at Kara's memories (within the slack)."""
     cells = [
         _cell(FULL, 1.0, "reason", [10] * 4, None, 1.0),
         _cell("kara", 0.05, "reason", [4] * 4, None, 0.22),
@@ -85,9 +87,9 @@ def test_equal_memory_pairs_kara_with_the_baselines_best_cell_that_holds_no_more
     table = equal_memory_table(cols, ["pyramidkv", "snapkv"], [0.05, 0.2])
     assert table[0] == "| kara minus | kara's r | 6l / reason |"
     assert table[2:] == [
-        "| pyramidkv | 0.2 | +0.200 [+0.200, +0.200] above (r=0.1, 0.34) |",
-        "| snapkv | 0.05 | +0.100 [+0.100, +0.100] above (r=0.05, 0.23) |",
-        "| snapkv | 0.2 | +0.100 [+0.100, +0.100] above (r=0.2, 0.35) |",
+        "| pyramidkv | 0.2 | +0.182 [+0.182, +0.182] above (r=0.1-0.2) |",
+        "| snapkv | 0.05 | +0.100 [+0.100, +0.100] above (r=0.05) |",
+        "| snapkv | 0.2 | +0.100 [+0.100, +0.100] above (r=0.2) |",
     ]
     # Against the same-r table, PyramidKV at r=0.2 would put Kara below.
     assert "below" in difference_table(cols, ["pyramidkv"], [0.2])[2]
