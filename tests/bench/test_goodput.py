@@ -139,6 +139,7 @@ def test_bad_runs_fail_before_any_engine(tmp_path: Path) -> None:
             Goodput(model="m", out=tmp_path, **kwargs).cells()
 
 
+@pytest.mark.slow
 def test_a_small_run_end_to_end(tmp_path: Path) -> None:
     """The shipped kara-reasoner-6l on one held-out reason task: Full KV writes its chain
     right and stops at its own EOS, well under the cap; a cap below the chain's length is

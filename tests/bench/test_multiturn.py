@@ -174,6 +174,7 @@ def test_the_cli_passes_turns_through(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "--turns 2" in result.output
 
 
+@pytest.mark.slow
 def test_multi_turn_against_a_real_server(tmp_path: Path) -> None:
     model = save_tiny_model(tmp_path / "model", seed=1, hidden_size=128, layers=2, heads=4, kv_heads=2, head_dim=32)
     out = tmp_path / "bench"

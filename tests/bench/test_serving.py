@@ -14,6 +14,7 @@ from kvllm.cli import app
 from kvllm.testing import save_tiny_model
 
 
+@pytest.mark.slow
 def test_bench_serve_compares_the_two_servers(tmp_path: Path) -> None:
     model = save_tiny_model(tmp_path / "model", seed=1, hidden_size=128, layers=2, heads=4, kv_heads=2, head_dim=32)
     out = tmp_path / "bench"

@@ -118,6 +118,7 @@ def test_bad_soaks_fail_before_any_server(tmp_path: Path, kwargs: dict, match: s
         Soak(model="m", out=tmp_path, **kwargs)
 
 
+@pytest.mark.slow
 def test_a_small_soak_passes_its_checks(tmp_path: Path) -> None:
     """200 requests through a real kvllm serve under a 24-block pool: every check from the
     server's own /metrics and the processes' RSS (not a stub: the verdict test above shows

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kvllm.cli import app
 from kvllm.testing import save_tiny_model
 
 
+@pytest.mark.slow
 def test_bench_throughput_writes_a_sane_report(tmp_path: Path) -> None:
     model = save_tiny_model(tmp_path / "model", seed=1, hidden_size=128, layers=2, heads=4, kv_heads=2, head_dim=32)
     out = tmp_path / "bench"

@@ -378,6 +378,7 @@ def test_compression_metrics_are_exported(server: str, tiny_model: str) -> None:
     assert re.search(r"^vllm:kv_cache_usage_perc\{", httpx.get(f"{server}/metrics", timeout=10).text, re.M)
 
 
+@pytest.mark.slow
 def test_metrics_with_two_api_servers(tiny_model: str, tmp_path: Path) -> None:
     """`--api-server-count 2`: each API server answers /metrics from a prometheus
     multiprocess registry, which carries the kvllm:* metrics too: the engine's totals,
@@ -416,6 +417,7 @@ def test_metrics_with_two_api_servers(tiny_model: str, tmp_path: Path) -> None:
                 assert re.search(r"^vllm:request_success_total\{", text, re.M)  # vLLM's own, merged
 
 
+@pytest.mark.slow
 def test_data_parallel_engines_each_serve_and_compress(tiny_model: str, tmp_path: Path) -> None:
     """`--data-parallel-size 2`: two engines, each with its own KvLLM scheduler and pool,
     behind one API server. Concurrent requests land on both; each engine compresses, and
