@@ -1,7 +1,7 @@
-"""Demo: start `kvllm serve` on a model, ask one chat question through the openai client,
-print the answer and the compression statistics, and stop the server.
+"""Demo: start `kvllm serve` on a model, ask one held-out reason task through the openai
+client, grade the chain, print it with the compression statistics, and stop the server.
 
-Usage: python tools/demo_serve.py [MODEL_DIR]   (default: the shipped model)
+Usage: python tools/demo_serve.py [MODEL]   (default: the shipped kara-reasoner-6l)
 """
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 from transformers import AutoTokenizer
 
 from kvllm.assets import model_path
+from kvllm.cli.options import trained_op
+from kvllm.eval.statements import grade, program
 from kvllm.eval.tasks import THINK, Difficulty, make_task
 from kvllm.vllm.launch import start_server, stop, wait_healthy
 
@@ -23,7 +26,7 @@ PORT = 8765
 
 
 def main() -> None:
-    model = sys.argv[1] if len(sys.argv) > 1 else str(model_path())
+    model = sys.argv[1] if len(sys.argv) > 1 else str(model_path("kara-reasoner-6l"))
     flags = ["--kv-retention", "0.2", "--kv-window", "128", "--dtype", "float32", "--max-model-len", "4096"]
     flags += ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
     if not AutoTokenizer.from_pretrained(model).chat_template:
@@ -33,8 +36,8 @@ def main() -> None:
     try:
         up = wait_healthy(server, base, timeout=600)
         print(f"server up in {up:.0f} s")
-        # The shipped model reads values back but cannot add: the needle is what it can answer.
-        task = make_task("prompt-needle", 7, Difficulty(constants=8, steps=30))
+        # A held-out reason task of 30 steps, on the operator the model was trained on.
+        task = make_task("reason", 7, Difficulty(constants=8, steps=30, op=trained_op(Path(model))))
         question = task.prompt.removesuffix(THINK).rstrip()
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         t0 = time.monotonic()
@@ -44,7 +47,11 @@ def main() -> None:
         elapsed = time.monotonic() - t0
         text = reply.choices[0].message.content
         print("question:", question.splitlines()[0], f"({len(question.splitlines()) - 1} program lines)")
-        print("answer tail:", text.strip().splitlines()[-1], f"(expected {task.answer})")
+        prog = program(task.prompt)
+        g = grade(prog, text)
+        ending = "stopped at the program's end" if g.stopped else "did not stop at the program's end"
+        print(f"chain: {g.right} of {g.statements} statements right, {g.extra} extra; {ending}; ", end="")
+        print(f"answer {'right' if g.answered else 'wrong'} (expected {prog.answer})")
         stats = reply.model_extra["kv_transfer_params"]["kvllm"]
         print(f"{reply.usage.completion_tokens} tokens in {elapsed:.1f} s; compression: {stats}")
         metrics = httpx.get(f"{base}/metrics", timeout=10).text

@@ -51,7 +51,8 @@ def generate(
     ignore_eos: Annotated[bool, typer.Option(help="Generate all max-new-tokens (equal work per run).")] = False,
 ) -> None:
     """Generate with KV compression and print the texts and the cache statistics."""
-    from kvllm.eval.tasks import Difficulty, extract_answer, make_task
+    from kvllm.eval.statements import grade, program
+    from kvllm.eval.tasks import Difficulty, make_task
     from kvllm.generation import stats_table
 
     config = None
@@ -89,9 +90,14 @@ def generate(
         console.rule(f"prompt {i}")
         console.print(prompts[i] + text, markup=False, highlight=False)
         if tasks:
-            got = extract_answer(text)
-            verdict = "right" if got == tasks[i].answer else "wrong"
-            console.print(f"answer {got} (expected {tasks[i].answer}): {verdict}", highlight=False)
+            prog = program(tasks[i].prompt)
+            g = grade(prog, text)
+            stop = "stopped at the program's end" if g.stopped else "did not stop at the program's end"
+            console.print(
+                f"statements right {g.right} of {g.statements} ({g.extra} extra statement lines); {stop}; "
+                f"answer {'right' if g.answered else 'wrong'} (the task's answer line: {prog.answer})",
+                highlight=False,
+            )
     console.print(stats_table(result, f"cache statistics ({method}, retention {retention}, {backend})"))
     total = sum(len(ids) for ids in result.token_ids)
     startup = " (with the engine's start-up)" if backend is Backend.vllm else ""
