@@ -197,6 +197,7 @@ class Goodput:
                 raise ValueError(f"--pool {pool!r} is invalid: must be a number of blocks or Nx (N whole requests)")
         if self.cap < 1:
             raise ValueError(f"--cap {self.cap} is invalid: must be >= 1")
+        _ = self.tasks  # the seeds, checked before any tokenizer or engine is loaded
 
     @cached_property
     def tasks(self) -> list[Any]:
