@@ -107,14 +107,14 @@ def retain_weights(
     """``kara-retain``'s retaining heads: ``[L, Hkv, 2 D + 1]`` fp32 on the CPU.
 
     Per (layer, KV head), the ridge regression (penalty ``ridge``) of a key's label on
-    ``[pre-RoPE k_i, v_i, 1]``, over every token ``i`` of every input from ``starts``
-    (the chain of thought, past the prompt) that has queries ``gap`` or more tokens
-    later. The label is 1 when the oracle would keep the key (:mod:`kvllm.eval.oracle`):
-    among the top ``keep`` of its window (the chain cut into ``window``-token windows from
-    its start, as the periodic policy's rounds cut it) by the attention that queries
-    ``gap`` or more tokens later give it in a Full-KV pass, summed over the KV head's
-    group; else 0. (Regressing the attention itself, in logs, ranked worse: a key's mass
-    is dominated by what every later line reads, not by the values a few lines will.)
+    ``[pre-RoPE k_i, v_i, 1]``, over the keys of every whole window of every input (the
+    chain of thought from ``starts``, cut into ``window``-token windows as the periodic
+    policy's rounds cut it). The label is 1 when the oracle would keep the key
+    (:mod:`kvllm.eval.oracle`): among the top ``keep`` of its window by the attention
+    that the queries ``gap`` (W + b) or more tokens past the window's start give it in a
+    Full-KV pass, summed over the KV head's group; else 0. (Regressing the attention
+    itself, in logs, ranked worse: a key's mass is dominated by what every later line
+    reads, not by the values a few lines will.)
     The normal equations are accumulated in fp64, input by input, so no attention matrix
     outlives its pass.
     """
@@ -134,21 +134,25 @@ def retain_weights(
     try:
         for ids, start in zip(inputs, starts, strict=True):
             n = len(ids)
-            if n - gap <= start:  # no key has queries gap or more tokens later
+            # Whole windows whose scoring queries (gap or more tokens past the window's start,
+            # as a round's span ends there) exist: the oracle scores a window's keys by
+            # the same queries, so each window shares one horizon.
+            firsts = list(range(start, n - window + 1, window))
+            firsts = [f for f in firsts if f + gap < n]
+            if not firsts:
                 continue
-            rows = torch.arange(start, n - gap)
+            rows = torch.cat([torch.arange(f, f + window) for f in firsts])
+            horizon = torch.tensor(firsts).repeat_interleave(window) + gap
             out = model(input_ids=ids.to(model.device)[None], output_attentions=True, use_cache=True)
             for layer, attention in enumerate(out.attentions):
                 a = attention[0].float().cpu().unflatten(0, (hkv, hq // hkv)).sum(1)  # [Hkv, T, T]
-                # Mass from queries j >= i + gap: suffix sums down the query axis.
-                later = a.flip(1).cumsum(1).flip(1)[:, rows + gap, rows]  # [Hkv, R]
+                # Mass from the window's later queries: suffix sums down the query axis.
+                later = a.flip(1).cumsum(1).flip(1)[:, horizon, rows].view(hkv, len(firsts), window)
+                top = later.topk(min(keep, window), dim=-1).indices
+                y = torch.zeros_like(later).scatter_(-1, top, 1.0).view(hkv, -1)
                 cache = out.past_key_values.layers[layer]
                 keys = rope.unrotate(cache.keys[0].float().cpu()[:, rows], rows.view(1, -1))
                 x = torch.cat([keys, cache.values[0].float().cpu()[:, rows], torch.ones(hkv, len(rows), 1)], -1)
-                y = torch.zeros_like(later)
-                for lo in range(0, later.shape[1], window):
-                    part = later[:, lo : lo + window]
-                    y[:, lo : lo + window].scatter_(1, part.topk(min(keep, part.shape[1]), -1).indices, 1.0)
                 gram[layer] += x.double().transpose(-1, -2) @ x.double()
                 moment[layer] += (x.double() * y.double().unsqueeze(-1)).sum(1)
     finally:
