@@ -102,8 +102,8 @@ def calibrate(
         keep = max(1, round(retention * window))
         tensor, name = retain_weights(lm, inputs, starts, window + buffer, window, keep), WEIGHTS
         metadata["labels"] = (
-            f"1 for the top {keep} of each {window}-token window by attention from queries >= {window + buffer} "
-            "tokens later, else 0; chain-of-thought keys"
+            f"1 for the top {keep} of each {window}-token window by the attention of the queries "
+            f"{window + buffer} or more tokens past the window's start, else 0; chain-of-thought keys"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     save_calibration(out, tensor, metadata, name=name)
