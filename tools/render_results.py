@@ -266,36 +266,66 @@ def _columns(page: Page, folders: dict[str, Path], mode: str, window: int = 128,
     return columns({label: page.data / f for label, f in folders.items()}, mode, window, buffer)
 
 
+GOODPUT = Path("goodput")  # kvllm bench goodput on kara-reasoner-6l v2, reason
+
+
+@cache
+def _goodput(data: Path) -> tuple[dict[str, Any], ...]:
+    from kvllm.bench.goodput_report import summarize
+
+    return tuple(summarize(stored_rows(data / GOODPUT)))
+
+
 @renderer("summary")
 def _summary(page: Page) -> str:
-    """README: what Kara costs in reads on kara-reasoner-6l v2's own chains and buys in throughput."""
-    rows = {
-        r["retention"]: r for r in _lookup(page.data, OWN_CHAINS, "reason", "free") if r["method"] in ("kara", FULL)
-    }
-    speed = _throughput_mean(page.data, THROUGHPUT / "all4", "kara")
+    """README: per system, what it costs in accuracy and buys in goodput, in one run."""
+    from kvllm.bench.goodput import BASELINE, LIMIT
+
+    cells = _goodput(page.data)
     lines = [
-        "| Kara's retention r | KV held for generated tokens | values read back right [95% CI] "
-        "| answers that name the asked value | output tok/s over vLLM's |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| system | KV held for generated tokens | statements right / Full KV's [95% CI] | stopped at the end "
+        "| chain length / Full KV's | goodput / vLLM's [min-max] |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in sorted(rows, reverse=True):
-        row = rows[r]
-        cell = _cell(page.data, OWN_CHAINS, row["method"], r, "reason", "free")
-        label = "no compression (Full KV)" if row["method"] == FULL else f"{r:g}"
-        gain = "1.00x" if row["method"] == FULL else "not measured"
-        if r == 0.2:
-            label += " (the default)"
-            gain = f"**{speed['mean']:.2f}x** ({speed['low']:.2f}-{speed['high']:.2f}x by load)"
+    for e in cells:
+        label = {BASELINE: "vLLM (Full KV)", LIMIT: "vLLM, a pool with no pressure (the limit)"}.get(e["system"])
+        label = label or f"`{e['system']}`"
+        share, lo, hi = e["statements_ratio"]
+        g, g_lo, g_hi = e["statements_right_s_ratio"]
         lines.append(
-            f"| {label} | {row['held_mean']:.2f} | {_ci(row['fidelity'], row['fidelity_ci'])} "
-            f"| {_recalled(cell)} | {gain} |"
+            f"| {label} | {e['held_end']:.2f} | {share:.3f} [{lo:.3f}-{hi:.3f}] | {e['stopped_right']}/{e['tasks']} "
+            f"| {e['length_ratio']:.2f} | **{g:.2f}x** [{g_lo:.2f}-{g_hi:.2f}] |"
         )
+    folder = page.data / GOODPUT
     return (
         "\n".join(lines)
         + "\n"
-        + page.source(page.data / OWN_CHAINS / "results.jsonl", rows_file(page.data / THROUGHPUT / "all4"))
-        + page.image(page.data / OWN_CHAINS / "frontier.png", "values read back against KV held, every method")
+        + page.source(folder / "results.jsonl")
+        + page.image(folder / "goodput.png", "goodput against accuracy, a curve per method")
     )
+
+
+@renderer("goodput")
+def _goodput_page(page: Page) -> str:
+    """docs/results/goodput.md: the iso-accuracy table and every cell, as the report writes them."""
+    from kvllm.bench.goodput_report import markdown
+
+    text = markdown(list(_goodput(page.data)))
+    body = text.split("\n", 2)[2].lstrip()  # without the report's own title
+    folder = page.data / GOODPUT
+    return body + page.source(folder / "results.jsonl") + page.image(folder / "goodput.png", "goodput against accuracy")
+
+
+STATEMENTS = ACCURACY / "6l-statements"  # kara-reasoner-6l v2, free-running, the statement grade
+
+
+@renderer("accuracy-statements")
+def _statements(page: Page) -> str:
+    """The statement grade of every free cell (kvllm.eval.report.statements_markdown)."""
+    from kvllm.eval.report import statements_markdown
+
+    table = statements_markdown(stored_cells(page.data / STATEMENTS)).split("\n", 2)[2]  # without its title
+    return table.rstrip() + "\n" + page.source(page.data / STATEMENTS / "results.jsonl")
 
 
 @renderer("accuracy-own-chains-free")
@@ -665,6 +695,10 @@ SOAKS = (
     ("vLLM's own server", "soak/vanilla.md"),
     ("kvllm serve, shared 300-token prefix", "soak-prefix/soak.md"),
     ("kvllm serve, shared 300-token prefix", "soak-prefix10k/soak.md"),
+    (
+        "kvllm serve, 96-token prefill chunks, shared and block-aligned prefixes, off requests replayed",
+        "soak-chunked/soak.md",
+    ),
 )
 SOAK_HEAD = re.compile(r"# Soak: (?P<requests>\d+) requests, (?P<seconds>\d+) s")
 SOAK_COUNTS = re.compile(r"finished (\d+), cancelled (\d+), rejected (\d+), failed (\d+)")
