@@ -5,7 +5,9 @@ one. Each conversation sends ``turns`` requests one after another; turn 1's prom
 shared prefix (a system prompt, the same for every conversation) and ``input_len``
 random token ids of its own, and turn k+1's prompt is turn k's prompt, turn k's output
 and ``input_len`` new ids (the user's next message), as a chat client resends its
-history. At most ``concurrency`` conversations are in flight.
+history; with ``answer_len``, only the last ``answer_len`` tokens of turn k's output,
+as a reasoning model's chat template sends an earlier answer without its reasoning.
+At most ``concurrency`` conversations are in flight.
 
 That is the workload where the two servers' prefix caches differ: vanilla vLLM caches
 the blocks a request generated too, so a later turn finds the whole earlier turn cached;
@@ -80,9 +82,17 @@ def first_prompt(prefix: Sequence[int], message: Sequence[int]) -> list[int]:
     return [*prefix, *message]
 
 
-def next_prompt(prompt: Sequence[int], output: Sequence[int], message: Sequence[int]) -> list[int]:
-    """Turn k+1: turn k's prompt, its output, then the next message (the chat so far)."""
-    return [*prompt, *output, *message]
+def next_prompt(
+    prompt: Sequence[int], output: Sequence[int], message: Sequence[int], answer_len: int | None = None
+) -> list[int]:
+    """Turn k+1: turn k's prompt, its output, then the next message (the chat so far).
+
+    With ``answer_len``, only the output's last ``answer_len`` tokens go back: a chat
+    template that drops the earlier turns' reasoning (Qwen3's removes their ``<think>``
+    blocks) sends each earlier answer without the chain of thought before it.
+    """
+    kept = output if answer_len is None else output[len(output) - answer_len :]
+    return [*prompt, *kept, *message]
 
 
 @dataclass(frozen=True)
@@ -157,10 +167,12 @@ async def run_conversations(
     output_len: int,
     concurrency: int,
     transport: Any = None,
+    answer_len: int | None = None,
 ) -> tuple[list[TurnRecord], float]:
     """Every conversation's turns, at most ``concurrency`` conversations at a time;
     returns the turns' records and the seconds from the first request to the last reply.
-    ``transport``: httpx's, e.g. a ``MockTransport`` standing in for the server in tests."""
+    ``transport``: httpx's, e.g. a ``MockTransport`` standing in for the server in tests;
+    ``answer_len``: as in :func:`next_prompt`."""
     import httpx
 
     url = f"{base}/v1/completions"
@@ -177,7 +189,7 @@ async def run_conversations(
                 prompt: list[int] = []
                 output: list[int] = []
                 for k, message in enumerate(messages[c]):
-                    prompt = next_prompt(prompt, output, message) if k else first_prompt(prefix, message)
+                    prompt = next_prompt(prompt, output, message, answer_len) if k else first_prompt(prefix, message)
                     record, output = await send_turn(client, url, model, prompt, output_len, c, k + 1)
                     records.append(record)
 
@@ -242,11 +254,14 @@ def run_point(
     concurrency: int,
     percentiles: Sequence[int],
     save: Path | None = None,
+    answer_len: int | None = None,
 ) -> dict[str, Any]:
     """One load point of :func:`draw`'s conversations against the server at ``base``;
     with ``save``, also writes every turn's record there (``turns.json``, as vLLM's
-    client leaves its ``client.json``)."""
-    records, duration = asyncio.run(run_conversations(base, model, prefix, messages, output_len, concurrency))
+    client leaves its ``client.json``); ``answer_len``: as in :func:`next_prompt`."""
+    records, duration = asyncio.run(
+        run_conversations(base, model, prefix, messages, output_len, concurrency, answer_len=answer_len)
+    )
     result = point_result(records, duration, percentiles)
     if save is not None:
         save.mkdir(parents=True, exist_ok=True)

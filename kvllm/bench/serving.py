@@ -57,6 +57,10 @@ class ServeBench:
         each turn's prompt is the previous turn's prompt, its output and ``input_len``
         new tokens (:mod:`kvllm.bench.multiturn`); ``concurrency`` is then conversations
         in flight.
+    answer_len
+        With ``turns > 1``: the tokens of each earlier output a later turn's prompt keeps,
+        its last ones (a chat template that drops the reasoning, as Qwen3's does); ``None``
+        keeps whole outputs.
     pool_blocks
         The KV pool of both servers (``--num-gpu-blocks-override``).
     """
@@ -71,6 +75,7 @@ class ServeBench:
     prefix_len: int = 0
     output_len: int = 2048
     turns: int = 1
+    answer_len: int | None = None
     pool_blocks: int = 553
     max_num_seqs: int = 64
     repeats: int = 3
@@ -101,6 +106,11 @@ class ServeBench:
                 f"--turns {self.turns} runs at fixed concurrency only: drop --rate {list(self.rates)} "
                 "(a conversation's next turn waits for its answer, so requests do not arrive at a rate)"
             )
+        if self.answer_len is not None and (self.turns == 1 or not 1 <= self.answer_len <= self.output_len):
+            raise ValueError(
+                f"--answer-len {self.answer_len} is invalid: it needs --turns > 1 and must be in "
+                f"[1, {self.output_len}] (--output-len)"
+            )
         need = -(-self.longest // self.compression.block_size) + 1
         if self.pool_blocks < need:
             lengths = f"--input-len {self.input_len} + --output-len {self.output_len}"
@@ -109,12 +119,15 @@ class ServeBench:
             else:
                 what = f"one conversation's last turn of --prefix-len {self.prefix_len}"
                 what += f" + --turns {self.turns} x ({lengths})"
+                if self.answer_len is not None:
+                    what += f", earlier answers cut to --answer-len {self.answer_len}"
             raise ValueError(f"--pool {self.pool_blocks} is invalid: {what} needs {need} blocks")
 
     @property
     def longest(self) -> int:
         """Tokens of the longest sequence: a conversation's last turn, prompt and output."""
-        return self.prefix_len + self.turns * (self.input_len + self.output_len)
+        history = self.output_len if self.answer_len is None else self.answer_len
+        return self.prefix_len + self.turns * self.input_len + (self.turns - 1) * history + self.output_len
 
     @property
     def points(self) -> list[tuple[str, float]]:
@@ -217,7 +230,7 @@ def run_system(bench: ServeBench, system: str, repeat: int, on_row: Callable[[di
                 )
                 result = multiturn.run_point(
                     base, bench.model, prefix, messages, bench.output_len, int(value), PERCENTILES,
-                    work / f"{kind}-{value:g}",
+                    work / f"{kind}-{value:g}", answer_len=bench.answer_len,
                 )  # fmt: skip
             else:
                 result = client(client_args(bench, base, kind, value, work / f"{kind}-{value:g}"))

@@ -157,6 +157,13 @@ def bench_serve(
             "through vLLM's client."
         ),
     ] = 1,
+    answer_len: Annotated[
+        int | None,
+        typer.Option(
+            help="With --turns: later turns resend only the last N tokens of each earlier answer, as a chat "
+            "template that drops the reasoning (Qwen3's) sends the history. Left out: whole answers."
+        ),
+    ] = None,
     pool: Annotated[int, typer.Option(help="KV pool of both servers, in blocks.")] = 553,
     max_num_seqs: Annotated[int, typer.Option(help="vLLM's --max-num-seqs for both servers.")] = 64,
     repeats: Annotated[int, typer.Option(help="Server starts per system (systems alternate).")] = 3,
@@ -176,8 +183,8 @@ def bench_serve(
         bench = ServeBench(
             model=str(path), out=out, systems=tuple(split(system)), concurrency=tuple(split(concurrency, int)),
             rates=tuple(split(rate or [], float)), prompts=prompts, input_len=input_len, prefix_len=prefix_len,
-            output_len=output_len, turns=turns, pool_blocks=pool, max_num_seqs=max_num_seqs, repeats=repeats,
-            compression=compression,
+            output_len=output_len, turns=turns, answer_len=answer_len, pool_blocks=pool, max_num_seqs=max_num_seqs,
+            repeats=repeats, compression=compression,
         )  # fmt: skip
     except ValueError as err:
         raise typer.BadParameter(str(err)) from err
@@ -185,6 +192,7 @@ def bench_serve(
         job = bar.add_task("bench serve", total=len(bench.order()) * len(bench.points))
         rows = run_bench(bench, lambda message: bar.update(job, advance=1, description=message))
     shape = f"{output_len} output tokens/request" + (f", {turns} turns/conversation" if turns > 1 else "")
+    shape += f", earlier answers resent as their last {answer_len} tokens" if answer_len else ""
     cells = write_report(rows, out, title=f"{path.name}, {shape}, pool {pool} blocks")
     console.print((out / "summary.md").read_text(), markup=False, highlight=False)
     console.print(f"{len(cells)} cells; wrote {out}/results.csv, results.json, summary.json, summary.md, serving.png")

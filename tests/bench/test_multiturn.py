@@ -98,6 +98,21 @@ def test_each_turn_resends_the_last_prompt_and_the_answers_token_ids() -> None:
     assert all(r.output_len == 6 and len(r.itl) == 4 and 0 < r.ttft <= r.latency for r in records)
 
 
+def test_a_stripped_history_resends_only_each_answers_last_tokens() -> None:
+    assert next_prompt([1, 2], [3, 4, 5, 6], [7], answer_len=2) == [1, 2, 5, 6, 7]
+    assert next_prompt([1, 2], [3, 4, 5, 6], [7], answer_len=4) == [1, 2, 3, 4, 5, 6, 7]
+    prefix, messages = draw(seed=0, conversations=2, turns=3, prefix_len=8, input_len=5, ids=prompt_ids(50, [0, 1]))
+    sent: list[list[int]] = []
+    server = stand_in_server(6, sent)
+    asyncio.run(run_conversations("http://x", "m", prefix, messages, 6, 1, transport=server, answer_len=2))
+    for c in range(2):
+        mine = [p for p in sent if p[8:13] == messages[c][0]]
+        assert [len(p) for p in mine] == [13, 20, 27]  # + 2 answer tokens + 5 new ones per turn
+        for k in (1, 2):
+            answer = [(len(mine[k - 1]) + i) % 50 + 2 for i in range(6)]
+            assert mine[k] == [*mine[k - 1], *answer[-2:], *messages[c][k]]
+
+
 def test_a_short_answer_fails_the_turn_loudly() -> None:
     prefix, messages = draw(seed=0, conversations=1, turns=2, prefix_len=0, input_len=5, ids=prompt_ids(50, []))
     server = stand_in_server(6, [], short=True)
@@ -154,6 +169,13 @@ def test_the_report_compares_the_later_turns_ttft_with_vanillas() -> None:
             {"turns": 3, "prefix_len": 60, "input_len": 100, "output_len": 200, "pool_blocks": 30},
             "--pool 30 is invalid: one conversation's last turn of --prefix-len 60 \\+ --turns 3 x "
             "\\(--input-len 100 \\+ --output-len 200\\) needs 31 blocks",
+        ),
+        ({"turns": 1, "answer_len": 8}, "--answer-len 8 is invalid: it needs --turns > 1"),
+        ({"turns": 2, "output_len": 100, "answer_len": 101}, "must be in \\[1, 100\\] \\(--output-len\\)"),
+        # 60 + 3 x 100 + 2 x 20 + 200 = 600 tokens: 19 blocks of 32, plus one.
+        (
+            {"turns": 3, "prefix_len": 60, "input_len": 100, "output_len": 200, "answer_len": 20, "pool_blocks": 19},
+            "--pool 19 is invalid: .* earlier answers cut to --answer-len 20 needs 20 blocks",
         ),
     ],
 )
