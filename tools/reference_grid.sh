@@ -3,7 +3,7 @@
 # --reference-forced: each task's own chain of thought forced through every cache), every
 # method at its reference defaults, on the held-out test seeds 0-63. Resumable: rerun to
 # continue where it stopped; a rerun on the stored cells runs none.
-#   tools/reference_grid.sh [OUT] [STAGE...]   stages: r02 tuned reason trace frontier (default: all, in that order)
+#   tools/reference_grid.sh [OUT] [STAGE...]   stages: r02 tuned reason trace frontier bound (default: all, in that order)
 # Models, both shipped: tiny = kara-reasoner-tiny (4 layers, head_dim 32, 6/2 heads); 6l =
 # kara-reasoner-6l, issue 22's second model (6 layers, head_dim 64, 8/2 heads; its card).
 # The tiny model was never trained on reason: its reason cell is Full KV alone, to show it
@@ -11,7 +11,7 @@
 set -euo pipefail
 OUT=${1:-docs/results/data/accuracy/reference-forced}
 shift || true
-STAGES=${*:-r02 tuned reason trace frontier}
+STAGES=${*:-r02 tuned reason trace frontier bound}
 KV=${KV:-.venv/bin/kvllm}
 SIXL=kara-reasoner-6l
 METHODS=kara,kara-causal,kara-topk,snapkv,pyramidkv,adakv,chunkkv,h2o,streamingllm,rkv,kara-vpool,noncausal-attn
@@ -58,6 +58,10 @@ for stage in $STAGES; do
           run "$SIXL" 6l "${flags[@]}" -- --window "$w" --buffer "$b" --method "$FRONTIER" --retention 0.05,0.2,0.5
         done
       done ;;
+    bound)  # issue 41: the reachable bound (the grammar, not the future) beside the oracle, and the
+      # learned kara-retain with the model's shipped file, on the realistic column at r=0.2
+      run "$SIXL" 6l "${REASON[@]}" -- --method bound,kara-retain --retention 0.2 \
+        --calibration kvllm/assets/kara-reasoner-6l/calibration/kara-retain.safetensors ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done

@@ -319,6 +319,16 @@ def _goodput_page(page: Page) -> str:
 STATEMENTS = ACCURACY / "6l-statements"  # kara-reasoner-6l v2, free-running, the statement grade
 
 
+@renderer("goodput-agreement")
+def _agreement(page: Page) -> str:
+    """docs/results/goodput.md: the goodput run's statement grade inside vLLM against the
+    statement grid's transformers cells on the same seeds (kvllm.bench.agreement)."""
+    from kvllm.bench.agreement import agreement, markdown
+
+    table = markdown(agreement(page.data / GOODPUT, page.data / STATEMENTS))
+    return table + page.source(page.data / GOODPUT / "results.jsonl", page.data / STATEMENTS / "results.jsonl")
+
+
 @renderer("accuracy-statements")
 def _statements(page: Page) -> str:
     """The statement grade of every free cell (kvllm.eval.report.statements_markdown)."""

@@ -3,9 +3,10 @@ preemption) against ``kvllm eval``'s transformers backend on the same seeds and 
 
 A goodput system and an eval cell match when they run the same method at the same
 retention, window and buffer (``vanilla-*`` matches the Full-KV cell). Both are greedy,
-so where the two engines compute the same thing they write the same chain; where they do
-not, the statement grades must still agree within their paired interval, or the
-selection depends on the scheduler, which is a bug (issue 43).
+so where the two engines compute the same thing they write the same chain, up to the
+shorter of their two token caps; where they do not, the statement grades must still
+agree within their paired interval, or the selection depends on the scheduler, which is
+a bug (issue 43).
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ def _texts(path: Path, key: str) -> dict[int, str]:
 
 
 def _match(row: dict[str, Any], cells: Sequence[CellResult]) -> CellResult | None:
-    """The free eval cell that ran what ``row``'s system ran, on its family."""
+    """The free eval cell that ran what ``row``'s system ran, on its family. A calibrated
+    method matches nothing: rows keep its file's path, not what the file held when they
+    ran, so two runs cannot be known to have read the same one."""
     comp = row.get("compression")
+    if comp and "calibration" in comp.get("params", {}):
+        return None
     for cell in cells:
         if cell.mode != "free" or cell.statements is None or cell.family != row["family"]:
             continue
@@ -55,8 +60,10 @@ def _pooled(records: dict[int, dict[str, Any]], seeds: Sequence[int]) -> tuple[l
 
 
 def first_difference(a: str, b: str) -> int | None:
-    """The first line (0-based) at which two chains differ; ``None`` when they are equal."""
-    if a == b:
+    """The first line (0-based) at which two chains differ; ``None`` when they are equal,
+    or when one is the start of the other (the two runs' token caps differ: the same
+    chain stopped at two lengths)."""
+    if a.startswith(b) or b.startswith(a):
         return None
     la, lb = a.splitlines(), b.splitlines()
     return next((i for i, (x, y) in enumerate(zip(la, lb, strict=False)) if x != y), min(len(la), len(lb)))
@@ -98,6 +105,7 @@ def agreement(goodput: Path, accuracy: Path) -> list[dict[str, Any]]:
                 "seeds": len(seeds),
                 "compared": len(diverge),
                 "identical": sum(d is None for d in diverge),
+                "same_length": sum(ours[s] == theirs[s] for s in seeds if s in ours and s in theirs),
                 "first_difference": statistics.median(d for d in diverge if d is not None)
                 if any(d is not None for d in diverge)
                 else None,
@@ -113,7 +121,8 @@ def agreement(goodput: Path, accuracy: Path) -> list[dict[str, Any]]:
 def markdown(entries: Sequence[dict[str, Any]]) -> str:
     """The agreement table, a row per matched system."""
     lines = [
-        "| system (vLLM) | cell (transformers) | seeds | chains identical | first differing line (median) "
+        "| system (vLLM) | cell (transformers) | seeds | chains identical (of them, to the same length) "
+        "| where the others differ (line, median) "
         "| statements right, vLLM [min-max over repeats] | transformers | vLLM - transformers [95% paired CI] "
         "| stopped right, vLLM / transformers |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -123,7 +132,8 @@ def markdown(entries: Sequence[dict[str, Any]]) -> str:
         d, d_lo, d_hi = e["difference"]
         line = "-" if e["first_difference"] is None else f"{e['first_difference']:g}"
         lines.append(
-            f"| `{e['system']}` | {e['cell']} | {e['seeds']} | {e['identical']}/{e['compared']} | {line} "
+            f"| `{e['system']}` | {e['cell']} | {e['seeds']} | {e['identical']}/{e['compared']} ({e['same_length']}) "
+            f"| {line} "
             f"| {v:.3f} [{v_lo:.3f}-{v_hi:.3f}] | {e['hf']:.3f} | {d:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}] "
             f"| {e['stopped'][0]}/{e['seeds']} / {e['stopped'][1]}/{e['seeds']} |"
         )

@@ -64,15 +64,19 @@ KARA = {"method": "kara", "retention": 0.2, "window": 128, "buffer": 32}
 def test_first_difference_is_the_first_differing_line() -> None:
     assert first_difference(CHAIN, CHAIN) is None
     assert first_difference(CHAIN, CHAIN.replace("c03", "c04", 1)) == 2
-    assert first_difference(CHAIN, CHAIN + "\n more") == 5  # one chain ran on past the other's end
+    assert first_difference(CHAIN, CHAIN + "\n more") is None  # the same chain under a longer cap
+    assert first_difference(CHAIN + "\n less", CHAIN + "\n more") == 5
 
 
 def test_matching_systems_are_paired_seed_by_seed(tmp_path: Path) -> None:
     gp, ev = tmp_path / "goodput", tmp_path / "eval"
     other = CHAIN.replace("a02", "a05")
     _goodput(gp, "vanilla-default", {}, [[10] * 4, [10] * 4], [CHAIN] * 4)
-    _goodput(gp, "kara@0.2", KARA, [[10, 8, 6, 4], [10, 8, 6, 2]], [CHAIN, other, other, CHAIN])
+    _goodput(gp, "kara@0.2", KARA, [[10, 8, 6, 4], [10, 8, 6, 2]], [CHAIN, other, other, CHAIN + "\n more"])
     _goodput(gp, "snapkv-periodic@0.2", {**KARA, "method": "snapkv"}, [[1] * 4], [CHAIN] * 4)  # no eval cell
+    retain = {**KARA, "method": "kara-retain", "params": {"calibration": "a.safetensors"}}
+    _goodput(gp, "kara-retain@0.2", retain, [[1] * 4], [CHAIN] * 4)  # calibrated: never matched
+    _cell(ev, "kara-retain", 0.2, [10] * 4, [CHAIN] * 4)
     _cell(ev, "full", 1.0, [10] * 4, [CHAIN] * 4)
     _cell(ev, "kara", 0.3, [0] * 4, [CHAIN] * 4)  # another retention: never matched
     _cell(ev, "kara", 0.2, [10, 10, 10, 10], [CHAIN] * 4)
@@ -82,14 +86,14 @@ def test_matching_systems_are_paired_seed_by_seed(tmp_path: Path) -> None:
     full, kara = by["vanilla-default"], by["kara@0.2"]
     assert (full["identical"], full["compared"], full["difference"][0]) == (4, 4, 0.0)
     assert kara["cell"] == "kara r=0.2 W=128 b=32"
-    assert (kara["identical"], kara["first_difference"]) == (2, 1)
+    assert (kara["identical"], kara["same_length"], kara["first_difference"]) == (2, 1, 1)
     assert kara["vllm"] == pytest.approx((0.7, 0.65, 0.7))  # repeat 0, then min-max over repeats
     assert kara["hf"] == 1.0
     d, lo, hi = kara["difference"]
     assert d == pytest.approx(-0.3) and lo <= d <= hi < 0  # vLLM reads worse on these seeds
     assert kara["stopped"] == (1, 4)
     table = markdown(list(by.values()))
-    assert "`kara@0.2` | kara r=0.2 W=128 b=32 | 4 | 2/4 | 1 |" in table
+    assert "`kara@0.2` | kara r=0.2 W=128 b=32 | 4 | 2/4 (1) | 1 |" in table
 
 
 def test_no_rows_or_no_cells_give_no_rows(tmp_path: Path) -> None:
