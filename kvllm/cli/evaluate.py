@@ -25,7 +25,7 @@ from kvllm.cli.options import (
     split,
     trained_op,
 )
-from kvllm.eval.grid import FORCED_ONLY
+from kvllm.eval.grid import FORCED_ONLY, SELECTORS
 from kvllm.eval.tasks import FAMILIES
 from kvllm.methods import available, calibrated
 
@@ -119,7 +119,7 @@ def evaluate(
             raise typer.BadParameter(f"--calibration {calibration} is invalid: no method among --method reads one")
         for m in with_file:
             params[m]["calibration"] = str(calibration)
-    for m, r in ((m, r) for m in methods if m not in FORCED_ONLY for r in retentions):
+    for m, r in ((m, r) for m in methods if m not in SELECTORS for r in retentions):
         make_config(method=m, retention=r, window=window, buffer=buffer, period=period, params=params[m])
     first_seed = _first_seed(split_, test_seeds, dev_seeds, n)
     for f in families:
@@ -191,8 +191,8 @@ def method_params(pairs: dict, methods: list[str]) -> dict[str, dict]:
         method, sep, name = key.partition(":")
         if not sep:
             continue
-        if method not in out or method in FORCED_ONLY:
-            why = f"the {method} takes none" if method in FORCED_ONLY else f"{method!r} is not among --method"
+        if method not in out or method in SELECTORS:
+            why = f"the {method} takes none" if method in SELECTORS else f"{method!r} is not among --method"
             raise typer.BadParameter(f"--param {key}={value} is invalid: {why}")
         out[method][name] = value
     return out

@@ -13,7 +13,12 @@ whether or not they are read again.
 
 The gap between a method and this bound is what a causal method could still close on the
 task; the gap between this bound and the oracle is what knowing the future is worth.
-Teacher-forced only, like the oracle: the roles are read off the forced sequence.
+Teacher-forced, the roles are read off the forced sequence and the scores come from
+the other problems' forced sequences. Free-running (:class:`FreeRoleBound`), the roles
+are read off the text the row has generated so far, and the scores come from the other
+problems' reference chains: a window's tokens are at least the protected buffer ``b``
+behind the last one generated, so their lines (about 20 tokens on ``reason``) have ended
+and their places from the line's end are known when the window is compressed.
 """
 
 from __future__ import annotations
@@ -105,6 +110,36 @@ class RoleBound(Method):
         order = torch.sort(torch.stack(rows).flip(-1), dim=-1, descending=True, stable=True).indices
         kept = (c - 1 - order[..., : min(budget, c)]).sort(-1).values
         return Selection(kept.to(window.keys.device))
+
+
+class FreeRoleBound(RoleBound):
+    """:class:`RoleBound` on free-running rows: each row's roles are recomputed, at each
+    round, from its prompt's length and the tokens it generated so far (:meth:`observe`).
+
+    Parameters
+    ----------
+    tokenizer
+        The model's tokenizer (roles are read off the decoded text).
+    prompt_lens
+        Per row, its prompt's token count (no padding).
+    scores
+        Per row, ``[L, Hkv, R]``, as :class:`RoleBound`'s.
+    """
+
+    def __init__(self, tokenizer, prompt_lens: Sequence[int], scores: Sequence[Tensor]) -> None:
+        super().__init__([torch.empty(0, dtype=torch.long)] * len(prompt_lens), scores)
+        self.tokenizer, self.prompt_lens = tokenizer, list(prompt_lens)
+        self.completions: list[list[int]] = [[] for _ in prompt_lens]
+
+    def observe(self, tokens: Tensor) -> None:
+        for row, token in zip(self.completions, tokens.tolist(), strict=True):
+            row.append(token)
+
+    def select(self, window: Window, budget: int) -> Selection:
+        self.roles = [
+            token_roles(self.tokenizer, n, c) for n, c in zip(self.prompt_lens, self.completions, strict=True)
+        ]
+        return super().select(window, budget)
 
 
 def leave_one_out(stats: Sequence[tuple[Tensor, Tensor]]) -> list[Tensor]:

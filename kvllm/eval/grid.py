@@ -18,8 +18,8 @@ A cell runs in one of three modes:
   This is how a model whose free chains go astray (issue 22's second model) still
   serves as a testbed, and it needs no free cell.
 
-Only the forced modes can run the ``oracle`` and ``bound`` selectors
-(:mod:`kvllm.eval.oracle`, :mod:`kvllm.eval.bound`).
+Only the forced modes can run the ``oracle`` selector (:mod:`kvllm.eval.oracle`); the
+``bound`` (:mod:`kvllm.eval.bound`) runs in every mode.
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ FULL = "full"
 MODEL_FILE = "model.json"
 ORACLE = "oracle"
 BOUND = "bound"
-#: Selectors that read the forced sequence (kvllm.eval.oracle, kvllm.eval.bound): they
-#: run in forced cells only, take no params, and are not in the method registry.
-FORCED_ONLY = (ORACLE, BOUND)
+#: Selectors in place of a method (kvllm.eval.oracle, kvllm.eval.bound): they take no
+#: params and are not in the method registry.
+SELECTORS = (ORACLE, BOUND)
+#: The selectors that read the forced sequence's future, so run in forced cells only.
+FORCED_ONLY = (ORACLE,)
 MODES = ("free", "teacher-forced", "reference-forced")
 FORCED_MODES = MODES[1:]
 # Methods default to every registered one that needs no calibration file (kvllm.cli.options.METHODS).
@@ -160,17 +162,24 @@ def run_accuracy_cell(
 
     With ``forced`` (a token list per problem), teacher-forced: lookups are graded on the
     model's argmax at the forced completion's digits; ``selector`` (one of
-    :data:`FORCED_ONLY`) swaps the method for the oracle, fed with a Full-KV pass over each
-    forced sequence, or for the reachable bound, fed with the other problems'. ``keep_ids``
+    :data:`SELECTORS`) swaps the method for the oracle (forced only), fed with a Full-KV
+    pass over each forced sequence, or for the reachable bound, fed with the other
+    problems' (free-running, their reference chains'). ``keep_ids``
     stores each completion's token ids in its record (the Full-KV cell's, to force them).
     """
     from kvllm.hf import generate  # transformers is heavy; `kvllm --help` should not wait
 
-    if selector is not None and forced is None:
+    if selector in FORCED_ONLY and forced is None:
         raise ValueError(f"the {selector} runs teacher-forced only")
     # Only the selectors read the prompts' ids (their Full-KV passes run over prompt + forced).
     prompt_ids = [tokenizer(p.prompt)["input_ids"] for p in problems] if selector is not None else []
-    bound_inputs = _bound_inputs(model, tokenizer, prompt_ids, forced, window) if selector == BOUND else None
+    bound_inputs = None
+    if selector == BOUND:
+        if forced is None and not all(p.reference for p in problems):
+            raise ValueError("the bound runs free only on generated tasks: it scores roles on their reference chains")
+        # Free-running, the other problems' reference chains stand in for the forced ones.
+        passes = forced or [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems]
+        bound_inputs = _bound_inputs(model, tokenizer, prompt_ids, passes, window)
     records = []
     for sample in range(samples):
         for lo in range(0, len(problems), batch_size):
@@ -183,10 +192,14 @@ def run_accuracy_cell(
                 ids = [p + f for p, f in zip(prompt_ids[lo : lo + batch_size], batch_forced, strict=True)]
                 method = Oracle(full_attention(model, ids))
             elif selector == BOUND:
-                from kvllm.eval.bound import RoleBound
+                from kvllm.eval.bound import FreeRoleBound, RoleBound
 
                 roles, scores = bound_inputs
-                method = RoleBound(roles[lo : lo + batch_size], scores[lo : lo + batch_size])
+                if forced is None:
+                    lens = [len(p) for p in prompt_ids[lo : lo + batch_size]]
+                    method = FreeRoleBound(tokenizer, lens, scores[lo : lo + batch_size])
+                else:
+                    method = RoleBound(roles[lo : lo + batch_size], scores[lo : lo + batch_size])
             out = generate(
                 model,
                 tokenizer,
@@ -354,16 +367,16 @@ def run_grid(
     done = load_results(path)
     _check_model(out_dir, model, stored=bool(done))
     wanted = cells(methods, retentions, list(problems), mode)
-    for m in (m for m in FORCED_ONLY if params and params.get(m)):
+    for m in (m for m in SELECTORS if params and params.get(m)):
         raise ValueError(f"the {m} takes no params")
     for method, retention, family, cell_mode in wanted:
         key = (method, retention, family, cell_mode, base.window, base.buffer)
         config = None
         if method != FULL:
             # The oracle and the bound run under the same policy and rounds; only their selection differs.
-            forced_only = method in FORCED_ONLY
-            overrides = {} if forced_only else (params or {}).get(method, {})
-            config = base.replace(method="kara" if forced_only else method, retention=retention, params=overrides)
+            selector = method in SELECTORS
+            overrides = {} if selector else (params or {}).get(method, {})
+            config = base.replace(method="kara" if selector else method, retention=retention, params=overrides)
         if key in done:
             if done[key].params != _resolved(method, config):
                 raise StoredCellsMismatch(
@@ -392,7 +405,7 @@ def run_grid(
             temperature=temperature,
             top_p=top_p,
             forced=forced,
-            selector=method if method in FORCED_ONLY else None,
+            selector=method if method in SELECTORS else None,
             keep_ids=method == FULL and cell_mode == "free",
             on_problem=None if on_progress is None else lambda k, name=name: on_progress(name, k),
         )
@@ -472,7 +485,7 @@ def _model_name(model) -> str:
 
 def _resolved(method: str, config: CompressionConfig | None) -> dict[str, Any]:
     """The parameters a method cell runs with, defaults included; none for Full KV, the oracle and the bound."""
-    if config is None or method in FORCED_ONLY:
+    if config is None or method in SELECTORS:
         return {}
     return asdict(config.method_params)
 

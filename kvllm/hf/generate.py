@@ -176,6 +176,8 @@ def _decode(
             for row in newly.nonzero().flatten().tolist():
                 stats[row] = cache.stats()[row]
         out.append(token)
+        if cache.method is not None:
+            cache.method.observe(token)
         if on_step is not None:
             on_step(step + 1)
         if step + 1 == max_new_tokens or bool(done.all()):

@@ -207,6 +207,11 @@ class Method(ABC):
         (a transformers ``PretrainedConfig``). Called once, before the model serves: a
         method bound to one model (a calibration file) fails there, not at its first round."""
 
+    def observe(self, tokens: Tensor) -> None:  # noqa: B027 (a hook: no method reads the text)
+        """The token each row just generated (``[B]``), from the reference backend's free
+        decoding. Only the evaluation's free-running bound reads it (its roles are read
+        off the text); the vLLM backend never calls it."""
+
     @abstractmethod
     def select(self, window: Window, budget: int) -> Selection:
         """Choose ``budget`` keys (on average) of ``window``'s compressible area."""

@@ -6,7 +6,16 @@ import torch
 from transformers import AutoTokenizer
 
 from kvllm.assets import model_path
-from kvllm.eval.bound import KINDS, PLACES, PROMPT_ROLE, RoleBound, leave_one_out, role_attention, token_roles
+from kvllm.eval.bound import (
+    KINDS,
+    PLACES,
+    PROMPT_ROLE,
+    FreeRoleBound,
+    RoleBound,
+    leave_one_out,
+    role_attention,
+    token_roles,
+)
 from kvllm.eval.tasks import HEDGES
 from kvllm.methods import Window
 
@@ -74,3 +83,29 @@ def test_the_bound_keeps_the_keys_of_the_best_roles_per_head() -> None:
     kept = RoleBound([roles], [scores]).select(window, 2).indices
     assert kept[0, 0, 0].tolist() == [2, 5]
     assert kept[0, 0, 1].tolist() == [3, 6]  # of three tied keys, the later two
+
+
+def test_free_running_the_bound_reads_roles_off_the_tokens_generated_so_far() -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_path())
+    prompt = tokenizer("trace: evaluate and report we.\n ta14\n")["input_ids"]
+    completion = tokenizer("\n".join([*STATEMENTS, *STATEMENTS, ""]))["input_ids"]
+    line = len(tokenizer(STATEMENTS[0] + "\n")["input_ids"])
+    scores = torch.rand(1, 2, PROMPT_ROLE + 1, generator=torch.Generator().manual_seed(1))
+    free = FreeRoleBound(tokenizer, [len(prompt)], [scores])
+    for token in completion:  # as the decoding loop reports them, one step at a time
+        free.observe(torch.tensor([token]))
+    assert free.completions == [completion]
+    # A window over the first two statements, the next two (whole lines) still to come.
+    span, start = 2 * line, len(prompt)
+    g = torch.Generator().manual_seed(0)
+    window = Window(
+        queries=torch.randn(1, 1, 2, span, 4, generator=g),
+        keys=torch.randn(1, 1, 2, span, 4, generator=g),
+        n_compress=span,
+        positions=(start,),
+    )
+    forced = RoleBound([token_roles(tokenizer, len(prompt), completion)], [scores])
+    assert torch.equal(free.select(window, 5).indices, forced.select(window, 5).indices)
+    # Each statement line's roles are the same, so a head keeps the same places in both.
+    kept = free.select(window, 4).indices[0, 0, 0].tolist()
+    assert [k % line for k in kept[:2]] == [k % line for k in kept[2:]]
