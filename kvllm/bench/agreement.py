@@ -2,7 +2,8 @@
 preemption) against ``kvllm eval``'s transformers backend on the same seeds and settings.
 
 A goodput system and an eval cell match when they run the same method at the same
-retention, window and buffer (``vanilla-*`` matches the Full-KV cell). Both are greedy,
+retention, window and buffer under the periodic policy, ``kvllm eval``'s only one
+(``vanilla-*`` matches the Full-KV cell). Both are greedy,
 so where the two engines compute the same thing they write the same chain, up to the
 shorter of their two token caps; where they do not, the statement grades must still
 agree within their paired interval, or the selection depends on the scheduler, which is
@@ -37,6 +38,8 @@ def _match(row: dict[str, Any], cells: Sequence[CellResult]) -> CellResult | Non
     ran, so two runs cannot be known to have read the same one."""
     comp = row.get("compression")
     if comp and "calibration" in comp.get("params", {}):
+        return None
+    if comp and comp.get("policy", "periodic") != "periodic":  # kvllm eval runs the periodic policy only
         return None
     for cell in cells:
         if cell.mode != "free" or cell.statements is None or cell.family != row["family"]:

@@ -74,6 +74,8 @@ def test_matching_systems_are_paired_seed_by_seed(tmp_path: Path) -> None:
     _goodput(gp, "vanilla-default", {}, [[10] * 4, [10] * 4], [CHAIN] * 4)
     _goodput(gp, "kara@0.2", KARA, [[10, 8, 6, 4], [10, 8, 6, 2]], [CHAIN, other, other, CHAIN + "\n more"])
     _goodput(gp, "snapkv-periodic@0.2", {**KARA, "method": "snapkv"}, [[1] * 4], [CHAIN] * 4)  # no eval cell
+    threshold = {**KARA, "policy": "threshold"}
+    _goodput(gp, "kara-threshold@0.2", threshold, [[1] * 4], [CHAIN] * 4)  # kvllm eval has no threshold cells
     retain = {**KARA, "method": "kara-retain", "params": {"calibration": "a.safetensors"}}
     _goodput(gp, "kara-retain@0.2", retain, [[1] * 4], [CHAIN] * 4)  # calibrated: never matched
     _cell(ev, "kara-retain", 0.2, [10] * 4, [CHAIN] * 4)
