@@ -319,6 +319,50 @@ def _goodput_page(page: Page) -> str:
 STATEMENTS = ACCURACY / "6l-statements"  # kara-reasoner-6l v2, free-running, the statement grade
 
 
+@renderer("accuracy-bound-6l")
+def _bound_6l(page: Page) -> str:
+    """kara-reasoner-6l on reason at r=0.2: per selector, reads right forced through the
+    tasks' own chains and through Full KV's (64 problems each), and statements right
+    free-running (32 problems)."""
+    from kvllm.eval.stats import bootstrap_ratio
+
+    lines = [
+        "| selector | what it knows | reads right, tasks' chains forced [95% CI] (held) "
+        "| reads right, Full KV's chains forced | statements right, free [95% CI] | stopped right, free |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    teacher = {
+        c.method: c for c in stored_cells(page.data / OWN_CHAINS) if (c.retention, c.mode) == (0.2, "teacher-forced")
+    }
+    knows = {
+        ORACLE: "the attention of this chain's own future queries",
+        "bound": "each token's role in the grammar (its line's kind, its place from the line's end)",
+        "kara-retain": "the window's attention and a score learned from keys and values",
+        "kara-topk": "the window's attention",
+        "kara": "the window's attention, as chunks",
+    }
+    for method, what in knows.items():
+        forced = _cell(page.data, REFERENCE / "6l", method, 0.2, "reason", "reference-forced")
+        right, total = forced.read_counts()
+        reads = f"{_ci(forced.fidelity_generated, bootstrap_ratio(right, total))} ({forced.held_mean:.2f})"
+        free = [c for c in stored_cells(page.data / STATEMENTS) if (c.method, c.retention) == (method, 0.2)]
+        statements, stopped = "- (reads the future)", "-"
+        if free:
+            graded = [p["statements"] for p in free[0].problems]
+            ci = bootstrap_ratio([g["right"] for g in graded], [g["total"] for g in graded])
+            statements = _ci(free[0].statements, ci)
+            stopped = f"{round(free[0].stopped * free[0].n)}/{free[0].n}"
+        own = teacher.get(method)
+        forced_own = "-" if own is None else _ci(own.fidelity_generated, bootstrap_ratio(*own.read_counts()))
+        lines.append(f"| `{method}` | {what} | {reads} | {forced_own} | {statements} | {stopped} |")
+    source = page.source(
+        page.data / REFERENCE / "6l" / "results.jsonl",
+        page.data / OWN_CHAINS / "results.jsonl",
+        page.data / STATEMENTS / "results.jsonl",
+    )
+    return "\n".join(lines) + "\n" + source
+
+
 @renderer("goodput-agreement")
 def _agreement(page: Page) -> str:
     """docs/results/goodput.md: the goodput run's statement grade inside vLLM against the
@@ -685,6 +729,7 @@ SERVING_RUNS = {
     "serving-shared-prefix-c16": "shared-prefix/c16",
     "serving-shared-prefix-c32": "shared-prefix/c32",
     "serving-multi-turn": "multi-turn/c16",
+    "serving-multi-turn-stripped": "multi-turn-stripped/c16",
 }
 
 

@@ -1,0 +1,63 @@
+"""Development-seed check: does keeping every line-ending newline let a compressed chain stop?
+
+The free-running bound (`kvllm/eval/bound.py`) writes most of a `reason` program right
+but never stops; Full KV's stopping query reads many far newlines
+(`tools/stop_attention.py`). This runs the bound free at r=0.2 on development seeds,
+as it is and with every newline's role scored above all others (so each window keeps
+its newlines first), and prints the statement grade of each.
+
+    python tools/stop_experiment.py [N]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvllm.assets import model_path
+from kvllm.cli.evaluate import family_difficulty
+from kvllm.cli.options import trained_op
+from kvllm.config import CompressionConfig
+from kvllm.eval.bound import KINDS, PLACES, FreeRoleBound
+from kvllm.eval.grid import _bound_inputs
+from kvllm.eval.problems import task_problems
+from kvllm.eval.statements import grade, program
+from kvllm.hf import generate
+
+DEV_SEEDS = 100_000  # the first development seed (kvllm eval --dev-seeds)
+BATCH = 8
+
+
+def main(n: int) -> None:
+    path = model_path("kara-reasoner-6l")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    difficulty = family_difficulty("reason", None, None, 0.5, trained_op(path))
+    problems = task_problems("reason", n, difficulty, tokenizer, first_seed=DEV_SEEDS)
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    references = [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems]
+    _, scores = _bound_inputs(model, tokenizer, prompts, references, 128)
+    config = CompressionConfig(method="kara", retention=0.2)
+    for variant in ("bound", "bound, every newline kept"):
+        right = graded = stopped = 0
+        for lo in range(0, n, BATCH):
+            batch = problems[lo : lo + BATCH]
+            mine = [s.clone() for s in scores[lo : lo + BATCH]]
+            if variant != "bound":
+                for s in mine:  # place 0 of every line kind: the newline
+                    s[..., [kind * PLACES for kind in range(len(KINDS) + 1)]] = float("inf")
+            method = FreeRoleBound(tokenizer, [len(p) for p in prompts[lo : lo + BATCH]], mine)
+            out = generate(
+                model, tokenizer, [p.prompt for p in batch], config, max(p.max_new_tokens for p in batch), method=method
+            )
+            for problem, text in zip(batch, out.texts, strict=True):
+                g = grade(program(problem.prompt), text)
+                right, graded, stopped = right + g.right, graded + g.statements + g.extra, stopped + g.stopped
+        share, of_program = right / graded, right / (len(program(problems[0].prompt)) * n)
+        print(f"{variant}: statements right {share:.3f}, of the program's {of_program:.3f}, stopped {stopped}/{n}")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 16)
