@@ -94,8 +94,10 @@ def test_tokenizer_round_trip_and_chat_template(fixture: str, request: pytest.Fi
     assert tok.decode(tok(task.text)["input_ids"]) == task.text
     # A name is one token and each digit another, so a value is found by its name.
     assert tok.convert_ids_to_tokens(tok(" bo41")["input_ids"]) == ["Ġbo", "4", "1"]
-    chat = tok.apply_chat_template([{"role": "user", "content": "hello there friend"}], tokenize=False)
-    assert chat.endswith(THINK)
+    # A chat turn holding the task's question renders to the task's prompt exactly, as the
+    # model was trained on it: the thinking marker on a line of its own.
+    question = task.prompt.removesuffix(THINK).rstrip()
+    assert tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False) == task.prompt
 
 
 def test_reads_operand_values_back(default) -> None:

@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from kvllm.eval.lookup import STATEMENT
 from kvllm.eval.tasks import (
+    CHAT_TEMPLATE,
     END_THINK,
     FAMILIES,
     HEDGES,
@@ -49,8 +50,6 @@ from kvllm.eval.tasks import (
 
 # The shipped model's shape; tools/probe_recall.py trains the same one.
 SHAPE = {"hidden": 192, "layers": 4, "heads": 6, "kv_heads": 2}
-# A chat turn is a task prompt without its thinking marker; the template adds it back.
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK
 
 
 def build_tokenizer(

@@ -63,6 +63,11 @@ SHIFT = ":"
 TEST_SEEDS = range(0, 1_000_000)
 TRAIN_SEEDS = range(1_000_000, 2**31)
 THINK, END_THINK = "<think>", "</think>"
+#: The shipped models' chat template: a chat turn is a task prompt without its thinking
+#: marker, and the template adds it back on a line of its own. The newline sits inside an
+#: expression because transformers renders with ``trim_blocks``, which drops a newline
+#: written right after a block tag (the prompt would end ``... <think>``, unlike training).
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ '\\n " + THINK + "' }}"
 # Consonant-vowel names: few enough that the tokenizer makes each one a single token.
 NAMES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
 
