@@ -22,13 +22,17 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	# 1. KvLLM inside vLLM (kvllm.LLM): the shipped kara-reasoner-6l writes its chain of
-	#    thought for two held-out reason tasks with Kara at retention 0.2; each chain is
-	#    graded against its program (statements right, stopped at the end, answer), with
-	#    per-sequence cache statistics. Whatever the grade, it is printed as it is.
+	#    thought for two held-out reason tasks, without compression and then with Kara at
+	#    retention 0.2; each chain is graded against its program (statements right,
+	#    stopped at the end, answer), with per-sequence cache statistics. Whatever the
+	#    grade, it is printed as it is.
+	$(VENV)/bin/kvllm generate --model kara-reasoner-6l --task reason --n-tasks 2 --backend vllm \
+		--method none --max-new-tokens 1500
 	$(VENV)/bin/kvllm generate --model kara-reasoner-6l --task reason --n-tasks 2 --backend vllm \
 		--method kara --retention 0.2 --max-new-tokens 1500
 	# 2. `kvllm serve` (vLLM's OpenAI server with Kara) on the same model: one held-out
-	#    reason task through the openai client, graded, with the server's kvllm:* metrics.
+	#    reason task through the openai client, with compression off for that request and
+	#    then with Kara, each graded, with the server's kvllm:* metrics.
 	$(PY) tools/demo_serve.py
 
 lint: $(STAMP)

@@ -1,5 +1,7 @@
 """Demo: start `kvllm serve` on a model, ask one held-out reason task through the openai
-client, grade the chain, print it with the compression statistics, and stop the server.
+client twice, with compression off for that request (``{"kvllm": {"off": true}}``) and
+with the server's Kara, grade each chain, print it with its compression statistics, and
+stop the server.
 
 Usage: python tools/demo_serve.py [MODEL]   (default: the shipped kara-reasoner-6l)
 """
@@ -19,7 +21,7 @@ from transformers import AutoTokenizer
 from kvllm.assets import model_path
 from kvllm.cli.options import trained_op
 from kvllm.eval.statements import grade, program
-from kvllm.eval.tasks import THINK, Difficulty, make_task
+from kvllm.eval.tasks import CHAT_TEMPLATE, THINK, Difficulty, make_task
 from kvllm.vllm.launch import start_server, stop, wait_healthy
 
 PORT = 8765
@@ -31,7 +33,7 @@ def main() -> None:
     flags += ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
     if not AutoTokenizer.from_pretrained(model).chat_template:
         # A chat turn is a task prompt; the template appends the thinking marker.
-        flags += ["--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}\n " + THINK]
+        flags += ["--chat-template", CHAT_TEMPLATE]
     server, base = start_server(model, PORT, flags, env=dict(os.environ))
     try:
         up = wait_healthy(server, base, timeout=600)
@@ -40,20 +42,21 @@ def main() -> None:
         task = make_task("reason", 7, Difficulty(constants=8, steps=30, op=trained_op(Path(model))))
         question = task.prompt.removesuffix(THINK).rstrip()
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
-        t0 = time.monotonic()
-        reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": question}], max_tokens=1200, temperature=0.0
-        )
-        elapsed = time.monotonic() - t0
-        text = reply.choices[0].message.content
         print("question:", question.splitlines()[0], f"({len(question.splitlines()) - 1} program lines)")
         prog = program(task.prompt)
-        g = grade(prog, text)
-        ending = "stopped at the program's end" if g.stopped else "did not stop at the program's end"
-        print(f"chain: {g.right} of {g.statements} statements right, {g.extra} extra; {ending}; ", end="")
-        print(f"answer {'right' if g.answered else 'wrong'} (expected {prog.answer})")
-        stats = reply.model_extra["kv_transfer_params"]["kvllm"]
-        print(f"{reply.usage.completion_tokens} tokens in {elapsed:.1f} s; compression: {stats}")
+        for label, settings in (("Full KV (this request's compression off)", {"off": True}), ("Kara, r=0.2", None)):
+            t0 = time.monotonic()
+            reply = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": question}], max_tokens=1200, temperature=0.0,
+                extra_body=None if settings is None else {"kvllm": settings},
+            )  # fmt: skip
+            elapsed = time.monotonic() - t0
+            g = grade(prog, reply.choices[0].message.content)
+            ending = "stopped at the program's end" if g.stopped else "did not stop at the program's end"
+            print(f"{label}: {g.right} of {g.statements} statements right, {g.extra} extra; {ending}; ", end="")
+            print(f"answer {'right' if g.answered else 'wrong'} (expected {prog.answer})")
+            stats = (reply.model_extra.get("kv_transfer_params") or {}).get("kvllm")
+            print(f"  {reply.usage.completion_tokens} tokens in {elapsed:.1f} s; compression: {stats}")
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         # Counters (_total) move with every round; the gauges are what running requests hold now.
         print("\n".join(line for line in metrics.splitlines() if re.match(r"^kvllm:\w+ ", line)))
