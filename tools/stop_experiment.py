@@ -2,11 +2,11 @@
 
 The free-running bound (`kvllm/eval/bound.py`) writes most of a `reason` program right
 but never stops; Full KV's stopping query reads many far newlines
-(`tools/stop_attention.py`). This runs the bound free at r=0.2 on development seeds,
-as it is and with every newline's role scored above all others (so each window keeps
-its newlines first), and prints the statement grade of each.
+(`tools/stop_attention.py`). This runs the bound free at retention R (0.2 by default) on
+development seeds, as it is and with every newline's role scored above all others (so
+each window keeps its newlines first), and prints the statement grade of each.
 
-    python tools/stop_experiment.py [N]
+    python tools/stop_experiment.py [N] [R]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ DEV_SEEDS = 100_000  # the first development seed (kvllm eval --dev-seeds)
 BATCH = 8
 
 
-def main(n: int) -> None:
+def main(n: int, retention: float) -> None:
     path = model_path("kara-reasoner-6l")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -39,7 +39,7 @@ def main(n: int) -> None:
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
     references = [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems]
     _, scores = _bound_inputs(model, tokenizer, prompts, references, 128)
-    config = CompressionConfig(method="kara", retention=0.2)
+    config = CompressionConfig(method="kara", retention=retention)
     for variant in ("bound", "bound, every newline kept"):
         right = graded = stopped = 0
         for lo in range(0, n, BATCH):
@@ -56,8 +56,9 @@ def main(n: int) -> None:
                 g = grade(program(problem.prompt), text)
                 right, graded, stopped = right + g.right, graded + g.statements + g.extra, stopped + g.stopped
         share, of_program = right / graded, right / (len(program(problems[0].prompt)) * n)
-        print(f"{variant}: statements right {share:.3f}, of the program's {of_program:.3f}, stopped {stopped}/{n}")
+        grade_line = f"statements right {share:.3f}, of the program's {of_program:.3f}, stopped {stopped}/{n}"
+        print(f"r={retention:g}, {variant}: {grade_line}")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 16)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 16, float(sys.argv[2]) if len(sys.argv) > 2 else 0.2)
