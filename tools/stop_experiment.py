@@ -21,7 +21,7 @@ from kvllm.cli.evaluate import family_difficulty
 from kvllm.cli.options import trained_op
 from kvllm.config import CompressionConfig
 from kvllm.eval.bound import KINDS, PLACES, FreeRoleBound
-from kvllm.eval.grid import _bound_inputs
+from kvllm.eval.grid import _bound_inputs, reference_ids
 from kvllm.eval.problems import task_problems
 from kvllm.eval.statements import grade, program
 from kvllm.hf import generate
@@ -37,7 +37,7 @@ def main(n: int, retention: float) -> None:
     difficulty = family_difficulty("reason", None, None, 0.5, trained_op(path))
     problems = task_problems("reason", n, difficulty, tokenizer, first_seed=DEV_SEEDS)
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
-    references = [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems]
+    references = reference_ids(tokenizer, problems)
     _, scores = _bound_inputs(model, tokenizer, prompts, references, 128)
     config = CompressionConfig(method="kara", retention=retention)
     for variant in ("bound", "bound, every newline kept"):

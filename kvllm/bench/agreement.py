@@ -97,10 +97,11 @@ def agreement(goodput: Path, accuracy: Path) -> list[dict[str, Any]]:
 
         v_right, v_total = _pooled(by_repeat[0], seeds)
         h_right, h_total = [hf[s]["right"] for s in seeds], [hf[s]["total"] for s in seeds]
-        shares = [sum(_pooled(rec, seeds)[0]) / sum(_pooled(rec, seeds)[1]) for rec in by_repeat]
+        shares = [sum(r) / sum(n) for r, n in (_pooled(rec, seeds) for rec in by_repeat)]
         ours = _texts(completions_path(goodput, mine[0]), "seed")
         theirs = _texts(grid.completions_path(accuracy, cell.key), "uid")
-        diverge = [first_difference(ours[s], theirs[s]) for s in seeds if s in ours and s in theirs]
+        both = [s for s in seeds if s in ours and s in theirs]
+        diverge = [first_difference(ours[s], theirs[s]) for s in both]
         out.append(
             {
                 "system": system,
@@ -108,7 +109,7 @@ def agreement(goodput: Path, accuracy: Path) -> list[dict[str, Any]]:
                 "seeds": len(seeds),
                 "compared": len(diverge),
                 "identical": sum(d is None for d in diverge),
-                "same_length": sum(ours[s] == theirs[s] for s in seeds if s in ours and s in theirs),
+                "same_length": sum(ours[s] == theirs[s] for s in both),
                 "first_difference": statistics.median(d for d in diverge if d is not None)
                 if any(d is not None for d in diverge)
                 else None,

@@ -171,14 +171,14 @@ def run_accuracy_cell(
 
     if selector in FORCED_ONLY and forced is None:
         raise ValueError(f"the {selector} runs teacher-forced only")
+    if selector == BOUND and forced is None and not all(p.reference for p in problems):
+        raise ValueError("the bound runs free only on generated tasks: it scores roles on their reference chains")
     # Only the selectors read the prompts' ids (their Full-KV passes run over prompt + forced).
     prompt_ids = [tokenizer(p.prompt)["input_ids"] for p in problems] if selector is not None else []
     bound_inputs = None
     if selector == BOUND:
-        if forced is None and not all(p.reference for p in problems):
-            raise ValueError("the bound runs free only on generated tasks: it scores roles on their reference chains")
         # Free-running, the other problems' reference chains stand in for the forced ones.
-        passes = forced or [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems]
+        passes = forced or reference_ids(tokenizer, problems)
         bound_inputs = _bound_inputs(model, tokenizer, prompt_ids, passes, window)
     records = []
     for sample in range(samples):
@@ -217,6 +217,11 @@ def run_accuracy_cell(
             if on_problem is not None:
                 on_problem(len(batch))
     return records
+
+
+def reference_ids(tokenizer, problems: Sequence[Problem]) -> list[list[int]]:
+    """Each problem's reference chain of thought as token ids (what reference-forced cells force)."""
+    return [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems]
 
 
 def _bound_inputs(model, tokenizer, prompt_ids, forced, gap: int) -> tuple[list, list]:
@@ -391,7 +396,7 @@ def run_grid(
             full = done[(FULL, 1.0, family, "free", base.window, base.buffer)]
             forced = [r["ids"] for r in full.problems]
         elif cell_mode == "reference-forced":
-            forced = [tokenizer(p.reference, add_special_tokens=False)["input_ids"] for p in problems[family]]
+            forced = reference_ids(tokenizer, problems[family])
         name = f"{method} r={retention} {family} {cell_mode}"
         start = time.perf_counter()
         records = run_accuracy_cell(

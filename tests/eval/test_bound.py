@@ -66,6 +66,17 @@ def test_leave_one_out_is_the_mean_of_the_others() -> None:
     assert second.tolist() == [[[2.0, 0.0]]]  # the first's 2/1; a role it never had scores 0
 
 
+def _window(span: int, n_compress: int, start: int) -> Window:
+    """One row's window of random queries and keys (2 KV heads): the bound reads neither."""
+    g = torch.Generator().manual_seed(0)
+    return Window(
+        queries=torch.randn(1, 1, 2, span, 4, generator=g),
+        keys=torch.randn(1, 1, 2, span, 4, generator=g),
+        n_compress=n_compress,
+        positions=(start,),
+    )
+
+
 def test_the_bound_keeps_the_keys_of_the_best_roles_per_head() -> None:
     span, c, start = 12, 8, 3
     roles = torch.tensor([PROMPT_ROLE] * start + [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2] + [0, 0])
@@ -73,14 +84,7 @@ def test_the_bound_keeps_the_keys_of_the_best_roles_per_head() -> None:
     scores = torch.zeros(1, 2, ROLE_COUNT := PROMPT_ROLE + 1)
     scores[0, 0, 2], scores[0, 1, 0] = 1.0, 1.0
     assert ROLE_COUNT > 3
-    g = torch.Generator().manual_seed(0)
-    window = Window(
-        queries=torch.randn(1, 1, 2, span, 4, generator=g),
-        keys=torch.randn(1, 1, 2, span, 4, generator=g),
-        n_compress=c,
-        positions=(start,),
-    )
-    kept = RoleBound([roles], [scores]).select(window, 2).indices
+    kept = RoleBound([roles], [scores]).select(_window(span, c, start), 2).indices
     assert kept[0, 0, 0].tolist() == [2, 5]
     assert kept[0, 0, 1].tolist() == [3, 6]  # of three tied keys, the later two
 
@@ -97,13 +101,7 @@ def test_free_running_the_bound_reads_roles_off_the_tokens_generated_so_far() ->
     assert free.completions == [completion]
     # A window over the first two statements, the next two (whole lines) still to come.
     span, start = 2 * line, len(prompt)
-    g = torch.Generator().manual_seed(0)
-    window = Window(
-        queries=torch.randn(1, 1, 2, span, 4, generator=g),
-        keys=torch.randn(1, 1, 2, span, 4, generator=g),
-        n_compress=span,
-        positions=(start,),
-    )
+    window = _window(span, span, start)
     forced = RoleBound([token_roles(tokenizer, len(prompt), completion)], [scores])
     assert torch.equal(free.select(window, 5).indices, forced.select(window, 5).indices)
     # Each statement line's roles are the same, so a head keeps the same places in both.
