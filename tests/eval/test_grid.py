@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvllm.cli import app
-from kvllm.eval.grid import FULL, MODEL_FILE, cells, load_results
+from kvllm.eval.grid import FULL, MODEL_FILE, cells, load_results, run_accuracy_cell
+from kvllm.eval.problems import Problem
 from kvllm.testing import save_tiny_model
 
 
@@ -182,6 +183,15 @@ def test_eval_free_running_with_the_bound(tmp_path: Path) -> None:
     bound = cells[("bound", 0.25, "trace", "free", 32, 8)]
     assert bound.params == {} and bound.statements is not None and bound.held_mean < 1.0
     assert len(bound.problems) == 3
+
+
+def test_selectors_refuse_what_they_cannot_read_before_any_pass() -> None:
+    math = Problem("math", "0", "1 + 1 = ?", "2", 16, grader="math")  # no reference chain
+    task = Problem("trace", "0", "trace: ...", "7", 16, reference=" a = 7\n")
+    with pytest.raises(ValueError, match="the bound runs free only on generated tasks"):
+        run_accuracy_cell(None, None, [math], None, batch_size=1, selector="bound")
+    with pytest.raises(ValueError, match="the oracle runs teacher-forced only"):
+        run_accuracy_cell(None, None, [task], None, batch_size=1, selector="oracle")
 
 
 def test_eval_reference_forced_grades_the_tasks_own_chains(tmp_path: Path) -> None:
