@@ -281,9 +281,12 @@ def _engine(cell: Cell) -> Any:
     return LLM(cell.model, compression=CompressionConfig(**cell.compression), **kwargs).llm
 
 
-def serve(cell: Cell) -> dict[str, Any]:
+def serve(cell: Cell, on_start: Callable[[], None] | None = None) -> dict[str, Any]:
     """Serve every task of ``cell`` at once (vLLM runs ``concurrency`` of them at a time),
-    then grade each completion. Returns the cell's row, completions included."""
+    then grade each completion. Returns the cell's row, completions included.
+
+    ``on_start`` is called when the timed part starts, after start-up and warm-up (a step
+    profiler arms itself there)."""
     from vllm import SamplingParams
 
     from kvllm.eval.statements import grade, program
@@ -304,6 +307,8 @@ def serve(cell: Cell) -> dict[str, Any]:
     pre0 = preemptions()
     outputs: dict[str, Any] = {}
     running, steps = [], 0
+    if on_start is not None:
+        on_start()
     start = time.perf_counter()
     for i, task in enumerate(tasks):
         engine.add_request(str(i), task.prompt, params)

@@ -285,8 +285,11 @@ def serve_cell(
     }
 
 
-def run(spec: Spec) -> None:
-    """Start the engine, warm it up, then print one JSON line per concurrency cell."""
+def run(spec: Spec, on_start: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Start the engine, warm it up, then print one JSON line per concurrency cell.
+
+    ``on_start`` is called once the engine is warm, before the first cell (a step
+    profiler arms itself there). Returns the cells' rows."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler must be readable
     started = time.perf_counter()
     from kvllm.vllm.engine import count_preemptions, scheduler_of
@@ -299,10 +302,15 @@ def run(spec: Spec) -> None:
     # One short untimed request: first-step allocations and lazy imports.
     llm.generate(prompts(2, spec.workload.prompt_steps), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     startup = time.perf_counter() - started
+    if on_start is not None:
+        on_start()
+    rows = []
     for c in spec.concurrency:
         row = serve_cell(llm, scheduler, preemptions, spec, c)
         row["startup_seconds"] = round(startup, 2)
         print("KVLLM_BENCH " + json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
