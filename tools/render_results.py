@@ -316,6 +316,66 @@ def _goodput_page(page: Page) -> str:
     return body + page.source(folder / "results.jsonl") + page.image(folder / "goodput.png", "goodput against accuracy")
 
 
+GOODPUT_SCALE = Path("goodput-scale")  # the same workload at the 16x pool and at C = 16 and 64
+
+
+@renderer("goodput-scale")
+def _goodput_scale(page: Page) -> str:
+    """docs/results/goodput.md: the main cells at other pools and concurrencies, each
+    ratio to vLLM in the same pool, concurrency and repeat."""
+    from kvllm.bench.goodput_report import summarize
+
+    folder = page.data / GOODPUT_SCALE
+    lines = [
+        "| pool | C | system | statements right / Full KV's | stopped | goodput / vLLM [min-max] "
+        "| output tok/s / vLLM | chain / Full KV's | preemptions | rounds' share (max) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for e in summarize(stored_rows(folder)):
+        g, lo, hi = e["statements_right_s_ratio"]
+        lines.append(
+            f"| {e['pool']} | {e['concurrency']} | {e['system']} | {e['statements_ratio'][0]:.3f} "
+            f"| {e['stopped_right']}/{e['tasks']} | **{g:.2f}x** [{lo:.2f}-{hi:.2f}] | {e['tok_s_ratio'][0]:.2f} "
+            f"| {e['length_ratio']:.2f} | {e['preemptions']:.0f} "
+            f"| {e['compress_share']:.3f} ({e['compress_share_max']:.3f}) |"
+        )
+    return "\n".join(lines) + "\n" + page.source(folder / "results.jsonl")
+
+
+PROFILE = Path("profile") / "profile.json"  # python tools/step_profile.py
+PROFILE_PARTS = {
+    "attention": "attention kernel (KV write included)",
+    "attention_projections": "QKV/O projections, norms, rotary",
+    "mlp": "MLP",
+    "forward_other": "rest of the forward (embedding, norms)",
+    "logits": "logits",
+    "rounds": "compression rounds",
+    "runner_other": "runner: input preparation, sampling",
+    "schedule": "scheduler",
+    "step_other": "rest of the engine step",
+    "outside_step": "output processing, detokenizing",
+}
+
+
+@renderer("step-profile")
+def _step_profile(page: Page) -> str:
+    """docs/results/goodput.md: where the serving loop's wall time goes, per part, as a share."""
+    runs = json.loads((page.data / PROFILE).read_text())
+
+    def row(label: str, cell: Callable[[dict[str, Any]], str]) -> str:
+        return f"| {label} | " + " | ".join(cell(r) for r in runs) + " |"
+
+    lines = [
+        row("part", lambda r: f"{r['model']}, {r['system']}"),
+        row("---", lambda r: "---:"),
+        *(row(label, lambda r, p=part: f"{r['parts'][p] / r['seconds']:.1%}") for part, label in PROFILE_PARTS.items()),
+        row("wall s (engine steps)", lambda r: f"{r['seconds']:.0f} ({r['engine_steps']})"),
+        row("ms per step", lambda r: f"{1e3 * r['seconds'] / r['engine_steps']:.1f}"),
+        row("mean requests running", lambda r: f"{r['mean_running']:.1f}"),
+    ]
+    return "\n".join(lines) + "\n" + page.source(page.data / PROFILE)
+
+
 STATEMENTS = ACCURACY / "6l-statements"  # kara-reasoner-6l v2, free-running, the statement grade
 
 
