@@ -1,12 +1,13 @@
-"""Development-seed check: does keeping every line-ending newline let a compressed chain stop?
+"""Development-seed check: which kept roles let a compressed chain stop?
 
 The free-running bound (`kvllm/eval/bound.py`) writes most of a `reason` program right
 but never stops; Full KV's stopping query reads many far newlines
 (`tools/stop_attention.py`). This runs the bound free at retention R (0.2 by default) on
-development seeds, as it is and with every newline's role scored above all others (so
-each window keeps its newlines first), and prints the statement grade of each.
+development seeds, as it is and with some roles scored above all others (so each window
+keeps them first: `newlines`, every newline; `values`, every statement's value digits), and prints the
+statement grade of each.
 
-    python tools/stop_experiment.py [N] [R]
+    python tools/stop_experiment.py [N] [R] [VARIANT,...]
 """
 
 from __future__ import annotations
@@ -30,7 +31,20 @@ DEV_SEEDS = 100_000  # the first development seed (kvllm eval --dev-seeds)
 BATCH = 8
 
 
-def main(n: int, retention: float) -> None:
+# Roles ranked above all others, per variant (a role is kind * PLACES + place from the line's end).
+VARIANTS: dict[str, list[int]] = {
+    "bound": [],
+    # place 0 of every line kind: the newline
+    "newlines": [kind * PLACES for kind in range(len(KINDS) + 1)],
+    # a statement's digits, counted from its end `= ju36 : ci27 = je48`: the result's at
+    # places 1-2, the operands' at 5-6 and 9-10 (tools/stop_ablation.py: the stop reads them)
+    "values": [1, 2, 5, 6, 9, 10],
+    # the same, with the result's name (place 3) after its digits, which later reads look up
+    "results-values": [1, 2, 3, 5, 6, 9, 10],
+}
+
+
+def main(n: int, retention: float, variants: list[str]) -> None:
     path = model_path("kara-reasoner-6l")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -40,14 +54,15 @@ def main(n: int, retention: float) -> None:
     references = reference_ids(tokenizer, problems)
     _, scores = _bound_inputs(model, tokenizer, prompts, references, 128)
     config = CompressionConfig(method="kara", retention=retention)
-    for variant in ("bound", "bound, every newline kept"):
+    for variant in variants:
         right = graded = stopped = 0
         for lo in range(0, n, BATCH):
             batch = problems[lo : lo + BATCH]
             mine = [s.clone() for s in scores[lo : lo + BATCH]]
-            if variant != "bound":
-                for s in mine:  # place 0 of every line kind: the newline
-                    s[..., [kind * PLACES for kind in range(len(KINDS) + 1)]] = float("inf")
+            for s in mine:  # above every score, in the variant's order
+                top = s.max()
+                for i, role in enumerate(VARIANTS[variant]):
+                    s[..., role] = top + len(VARIANTS[variant]) - i
             method = FreeRoleBound(tokenizer, [len(p) for p in prompts[lo : lo + BATCH]], mine)
             out = generate(
                 model, tokenizer, [p.prompt for p in batch], config, max(p.max_new_tokens for p in batch), method=method
@@ -61,4 +76,8 @@ def main(n: int, retention: float) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 16, float(sys.argv[2]) if len(sys.argv) > 2 else 0.2)
+    main(
+        int(sys.argv[1]) if len(sys.argv) > 1 else 16,
+        float(sys.argv[2]) if len(sys.argv) > 2 else 0.2,
+        sys.argv[3].split(",") if len(sys.argv) > 3 else list(VARIANTS),
+    )
