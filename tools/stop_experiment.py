@@ -7,7 +7,9 @@ development seeds, as it is and with some roles scored above all others (so each
 keeps them first: `newlines`, every newline; `values`, every statement's value digits), and prints the
 statement grade of each.
 
-    python tools/stop_experiment.py [N] [R] [VARIANT,...]
+    python tools/stop_experiment.py [N] [R] [VARIANT,...] [FIRST_SEED]
+
+FIRST_SEED defaults to the first development seed; 0 scores the test seeds.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ VARIANTS: dict[str, list[int]] = {
 }
 
 
-def main(n: int, retention: float, variants: list[str]) -> None:
+def main(n: int, retention: float, variants: list[str], first_seed: int = DEV_SEEDS) -> None:
     path = model_path("kara-reasoner-6l")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     difficulty = family_difficulty("reason", None, None, 0.5, trained_op(path))
-    problems = task_problems("reason", n, difficulty, tokenizer, first_seed=DEV_SEEDS)
+    problems = task_problems("reason", n, difficulty, tokenizer, first_seed=first_seed)
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
     references = reference_ids(tokenizer, problems)
     _, scores = _bound_inputs(model, tokenizer, prompts, references, 128)
@@ -80,4 +82,5 @@ if __name__ == "__main__":
         int(sys.argv[1]) if len(sys.argv) > 1 else 16,
         float(sys.argv[2]) if len(sys.argv) > 2 else 0.2,
         sys.argv[3].split(",") if len(sys.argv) > 3 else list(VARIANTS),
+        int(sys.argv[4]) if len(sys.argv) > 4 else DEV_SEEDS,
     )
