@@ -3,11 +3,13 @@
 On development seeds, `kara-reasoner-6l` writes each chain with Full KV (greedy, as
 `kvllm eval` does; the chains are kept in the temporary folder between runs). Then, for
 each chain, one Full-KV pass over the prompt and the chain fills a cache up to the last
-``T`` tokens before `</think>`; a subset of that cache's keys is removed, and the last T
-tokens are fed again after it, at their true positions. The probability of `</think>`
-after them says whether the stop survives when those T tokens are computed without the
-keys. With T = W + b (160, the default) this is the protected tail after a round that
-dropped them; with T = 1 it is the stopping query alone.
+``T`` tokens of the stop's decision: the last statement's line end, after whose `\n` the
+model writes ` ` (then `</think>`) where it would otherwise write the next statement's
+name. A subset of that cache's keys is removed, and the last T tokens are fed again after
+it, at their true positions. The probability of that ` ` after them, P(stop), says whether
+the stop survives when those T tokens are computed without the keys. With T = W + b
+(160, the default) this is the protected tail after a round that dropped them; with
+T = 1 it is the deciding query alone.
 
     python tools/stop_ablation.py [N] [T]
 
@@ -27,6 +29,7 @@ import json
 import re
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -49,17 +52,22 @@ def full_chain(model, prompt: list[int], cap: int, eos: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def stop_probability(model, ids: list[int], keep: torch.Tensor, stop: int, tail: int) -> float:
-    """P(``stop``) after the last token of ``ids``, when the last ``tail`` tokens are fed
-    (at their true positions) after a cache of the tokens before them that holds only
-    the positions where ``keep`` is true."""
-    head = len(ids) - tail
+def prefix_cache(model, ids: list[int], tail: int) -> DynamicCache:
+    """The Full-KV cache of ``ids`` before its last ``tail`` tokens."""
     with torch.no_grad():
-        full = model(torch.tensor([ids[:head]]), use_cache=True).past_key_values
-        cache = DynamicCache()
-        for i, layer in enumerate(full.layers):
-            cache.update(layer.keys[:, :, keep], layer.values[:, :, keep], i)
-        kept = int(keep.sum())
+        return model(torch.tensor([ids[:-tail]]), use_cache=True).past_key_values
+
+
+def stop_probability(model, full: DynamicCache, ids: list[int], keep: torch.Tensor, stop: int, tail: int) -> float:
+    """P(``stop``) after the last token of ``ids``, when the last ``tail`` tokens are fed
+    (at their true positions) after ``full``, the cache of the tokens before them
+    (:func:`prefix_cache`), holding only the positions where ``keep`` is true."""
+    head = len(ids) - tail
+    cache = DynamicCache()
+    for i, layer in enumerate(full.layers):
+        cache.update(layer.keys[:, :, keep], layer.values[:, :, keep], i)
+    kept = int(keep.sum())
+    with torch.no_grad():
         logits = model(
             torch.tensor([ids[head:]]),
             position_ids=torch.arange(head, len(ids)).unsqueeze(0),
@@ -67,6 +75,16 @@ def stop_probability(model, ids: list[int], keep: torch.Tensor, stop: int, tail:
             past_key_values=cache,
         ).logits[0, -1]
     return logits.softmax(-1)[stop].item()
+
+
+def _lines(tokenizer, ids: list[int]) -> Iterator[tuple[str, int, list[int]]]:
+    """Each line of the decoded ``ids``: its text, its first character's offset, and the
+    indices of its tokens."""
+    text, owner = lookup.char_to_token(tokenizer, ids)
+    start = 0
+    for line in text.split("\n"):
+        yield line, start, sorted({owner[c] for c in range(start, start + len(line))})
+        start += len(line) + 1
 
 
 def subsets(roles: torch.Tensor, prompt_len: int, ids: list[int], tokenizer, tail: int) -> dict[str, torch.Tensor]:
@@ -77,23 +95,22 @@ def subsets(roles: torch.Tensor, prompt_len: int, ids: list[int], tokenizer, tai
     kind, place = roles[:t] // PLACES, roles[:t] % PLACES
     newline = far & (place == 0)
     digits = torch.tensor([tokenizer.decode([i]).strip().isdigit() for i in ids[:t]])
-    text, owner = lookup.char_to_token(tokenizer, ids[:prompt_len])
     prompt_lines = torch.zeros(t, dtype=torch.bool)
     literals = torch.zeros(t, dtype=torch.bool)
-    start = 0
-    for line in text.split("\n"):
-        tokens = sorted({owner[c] for c in range(start, start + len(line))})
+    constants = set()
+    for line, _, tokens in _lines(tokenizer, ids[:prompt_len]):
         if " = " in line:  # a statement of the program
             prompt_lines[tokens] = True
-        elif re.fullmatch(r" ?[a-z]{2}\d{2}", line):  # a literal: `la78`
+        elif m := re.fullmatch(r" ?([a-z]{2})\d{2}", line):  # a literal: `la78`
             literals[tokens] = True
-        start += len(line) + 1
+            constants.add(m[1])
+    values = far & (kind == 0) & digits
     out = {
         "nothing": torch.zeros(t, dtype=torch.bool),
         "all far": far,
         "far except newlines": far & ~newline,
         "far newlines": newline,
-        "far statement values": far & (kind == 0) & digits,
+        "far statement values": values,
         "prompt": pos < prompt_len,
         "prompt program": prompt_lines,
     }
@@ -101,7 +118,6 @@ def subsets(roles: torch.Tensor, prompt_len: int, ids: list[int], tokenizer, tai
         out[f"far {name} lines"] = far & (kind == k)
     out["prompt and all far"] = pos < t
     out["prompt literals"] = literals
-    values = far & (kind == 0) & digits
     results = values & (place <= 2)  # a statement's last two tokens before its newline: `= ku76`
     names = far & (kind == 0) & (place == 3)  # the result's name, ` ku` of `= ku76`
     out["far results"] = results
@@ -110,17 +126,14 @@ def subsets(roles: torch.Tensor, prompt_len: int, ids: list[int], tokenizer, tai
     out["far except results"] = far & ~results
     out["far except results and their names"] = far & ~results & ~names
     # The operand values of reads of the prompt's constants (`ji49` in `je = ji : ci = ji49 : ci27`).
-    constants = set(re.findall(r"\n ?([a-z]{2})\d{2}(?=\n)", text))
-    chain_text, chain_owner = lookup.char_to_token(tokenizer, ids[prompt_len:t])
+    chain_owner = lookup.char_to_token(tokenizer, ids[prompt_len:t])[1]
     constant_reads = torch.zeros(t, dtype=torch.bool)
-    start = 0
-    for line in chain_text.split("\n"):
+    for line, start, _ in _lines(tokenizer, ids[prompt_len:t]):
         if m := lookup.STATEMENT.match(line):
             for name_group, digit_group in ((5, 6), (8, 9)):
                 if m[name_group] in constants:
                     a, b = m.span(digit_group)
                     constant_reads[[prompt_len + chain_owner[start + c] for c in range(a, b)]] = True
-        start += len(line) + 1
     out["far except results and constant reads"] = far & ~results & ~constant_reads
     out["far constant reads"] = far & constant_reads
     # r=0.2's count of far keys, dropped at random: whether the stop needs particular keys
@@ -152,16 +165,16 @@ def main(n: int, tail: int) -> None:
         # instead of the next statement's name.
         ids = prompt + chain[: chain.index(end) - 1]
         space = chain[chain.index(end) - 1]
+        full = prefix_cache(model, ids, tail)
         with torch.no_grad():  # the cache path with nothing dropped must give the full pass's answer
             whole = model(torch.tensor([ids])).logits[0, -1].softmax(-1)[space].item()
-        assert (
-            abs(whole - stop_probability(model, ids, torch.ones(len(ids) - tail, dtype=torch.bool), space, tail)) < 1e-4
-        )
+        everything = torch.ones(len(ids) - tail, dtype=torch.bool)
+        assert abs(whole - stop_probability(model, full, ids, everything, space, tail)) < 1e-4
         roles = token_roles(tokenizer, len(prompt), ids[len(prompt) :])
         for name, drop in subsets(roles, len(prompt), ids, tokenizer, tail).items():
-            table.setdefault(name, []).append(stop_probability(model, ids, ~drop, space, tail))
+            table.setdefault(name, []).append(stop_probability(model, full, ids, ~drop, space, tail))
         print(f"seed {problem.uid}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in table.items()), flush=True)
-    print("\n| keys dropped | mean P(</think>) | chains with P > 0.5 |\n| --- | ---: | ---: |")
+    print("\n| keys dropped | mean P(stop) | chains with P > 0.5 |\n| --- | ---: | ---: |")
     for name, ps in table.items():
         print(f"| {name} | {sum(ps) / len(ps):.3f} | {sum(p > 0.5 for p in ps)}/{len(ps)} |")
 
