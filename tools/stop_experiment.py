@@ -1,8 +1,8 @@
 """Development-seed check: which kept roles let a compressed chain stop?
 
 The free-running bound (`kvllm/eval/bound.py`) writes most of a `reason` program right
-but never stops; Full KV's stopping query reads many far newlines
-(`tools/stop_attention.py`). This runs the bound free at retention R (0.2 by default) on
+but never stops; the query that decides Full KV's stop reads the far statements' operand
+values (`tools/stop_ablation.py`). This runs the bound free at retention R (0.2 by default) on
 development seeds, as it is and with some roles scored above all others (so each window
 keeps them first: `newlines`, every newline; `values`, every statement's value digits), and prints the
 statement grade of each.
