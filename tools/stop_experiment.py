@@ -47,6 +47,8 @@ VARIANTS: dict[str, list[int]] = {
 
 
 def main(n: int, retention: float, variants: list[str], first_seed: int = DEV_SEEDS) -> None:
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        raise SystemExit(f"VARIANT {', '.join(unknown)} is invalid: must be one of {', '.join(VARIANTS)}")
     path = model_path("kara-reasoner-6l")
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
