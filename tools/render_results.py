@@ -423,6 +423,63 @@ def _bound_6l(page: Page) -> str:
     return "\n".join(lines) + "\n" + source
 
 
+SELECTION_BETS = ACCURACY / "selection-bets"  # tools/selection_bets.py on test seeds
+
+
+@renderer("accuracy-selection-bets")
+def _selection_bets(page: Page) -> str:
+    """Lazy two-stage retention and merging (tools/selection_bets.py), free-running, each
+    against the method it changes, on the same problems."""
+    from kvllm.eval.stats import bootstrap_ratio, paired_difference
+
+    rows = stored_rows(page.data / SELECTION_BETS)
+    cells: dict[tuple[float, str], list[dict]] = {}
+    for row in rows:
+        cells.setdefault((row["retention"], row["cell"]), []).append(row)
+    full = next(c for c in stored_cells(page.data / STATEMENTS) if c.method == FULL)
+    lines = [
+        "| cell | r | statements right [95% CI] | against its method [95% paired CI] | of the program's "
+        "| stopped right | chain / Full KV's | held (end) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for (retention, name), cell in sorted(cells.items(), key=lambda item: (item[0][1].split("+")[0], item[0])):
+        right, graded = [r["right"] for r in cell], [r["graded"] for r in cell]
+        base = cells[(retention, name.split("+")[0])]
+        if [r["uid"] for r in base] != [r["uid"] for r in cell]:
+            raise ValueError(f"{name} and its method ran different problems at r={retention}")
+        diff, lo, hi = paired_difference(right, graded, [r["right"] for r in base], [r["graded"] for r in base])
+        against = "-" if base is cell else f"{diff:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+        of_program = sum(right) / sum(r["program"] for r in cell)
+        chain = statistics.mean(r["tokens"] for r in cell) / full.mean_new_tokens
+        lines.append(
+            f"| `{name}` | {retention:g} | {_ci(sum(right) / sum(graded), bootstrap_ratio(right, graded))} "
+            f"| {against} | {of_program:.3f} | {sum(r['stopped'] for r in cell)}/{len(cell)} | {chain:.2f} "
+            f"| {statistics.mean(r['held_end'] for r in cell):.3f} |"
+        )
+    source = page.source(page.data / SELECTION_BETS / "results.jsonl", page.data / STATEMENTS / "results.jsonl")
+    return "\n".join(lines) + "\n" + source
+
+
+CHUNK_GAP = ACCURACY / "chunk-gap.json"  # tools/chunk_gap.py: what Token2Chunk's fill keeps
+
+
+@renderer("accuracy-chunk-gap")
+def _chunk_gap(page: Page) -> str:
+    """Kara's tokens past its endpoints against top-m's: how many the oracle keeps, and their kinds."""
+    record = json.loads((page.data / CHUNK_GAP).read_text())
+    kinds = record["kinds"]
+    labels = {"endpoints": "the K endpoints (both)", "kara": "Kara's other m - K", "top-m": "top-m's other m - K"}
+    lines = [
+        "| kept | tokens | also kept by the oracle | " + " | ".join(kinds) + " |",
+        "| --- | ---: | ---: |" + " ---: |" * len(kinds),
+    ]
+    for who, label in labels.items():
+        c = record["tally"][who]
+        shares = " | ".join(f"{c.get(k, 0) / c['tokens']:.2f}" for k in kinds)
+        lines.append(f"| {label} | {c['tokens']:,} | {c['oracle'] / c['tokens']:.3f} | {shares} |")
+    return "\n".join(lines) + "\n" + page.source(page.data / CHUNK_GAP)
+
+
 @renderer("goodput-agreement")
 def _agreement(page: Page) -> str:
     """docs/results/goodput.md: the goodput run's statement grade inside vLLM against the
