@@ -54,9 +54,9 @@ from kvllm.hf import generate
 from kvllm.hf.cache import CompressingCache
 from kvllm.hf.compaction import compact
 from kvllm.methods import Method, Selection, Window
-from kvllm.methods.qfilter import load_calibration
-from kvllm.methods.retain import WEIGHTS, retaining_scores, zscore
+from kvllm.methods.retain import KaraRetain, zscore
 from kvllm.methods.scoring import attention_scores, topk_sorted
+from kvllm.policy import Region
 
 DEV_SEEDS = 100_000  # the first development seed (kvllm eval --dev-seeds)
 BATCH = 8
@@ -139,15 +139,11 @@ class Round(Method):
 
 
 def first_scores(method: Method, window: Window) -> Tensor:
-    """The z-scored score ``method`` ranked the area by: Kara's column sums, mixed with the
-    learned score for ``kara-retain`` (kvllm/methods/retain.py)."""
-    c = window.n_compress
-    kara = zscore(attention_scores(window, causal=False)[..., :c])
-    if method.name != "kara-retain":
-        return kara
-    weights = load_calibration(method.params.calibration, WEIGHTS).tensor
-    mix = method.params.mix
-    return (1 - mix) * kara + mix * zscore(retaining_scores(window, weights))
+    """The score ``method`` ranked the area by: ``kara-retain``'s mixed score, else Kara's
+    column sums, z-scored."""
+    if isinstance(method, KaraRetain):
+        return method.scores(window)
+    return zscore(attention_scores(window, causal=False)[..., : window.n_compress])
 
 
 class BetCache(CompressingCache):
@@ -162,7 +158,7 @@ class BetCache(CompressingCache):
         self.first_scores: Tensor | None = None  # [B, L, Hkv, kept] of the newest region
         self.method = Round(self.method, self)
 
-    def _compress(self, region) -> None:
+    def _compress(self, region: Region) -> None:
         budget = region.budget
         if self.pending is not None:
             region = self._second_cut(region, budget)
@@ -171,18 +167,15 @@ class BetCache(CompressingCache):
         super()._compress(dataclasses.replace(region, budget=first))
         self.pending = (region.start, first) if first > budget else None
 
-    def _second_cut(self, region, budget: int):
+    def _second_cut(self, region: Region, budget: int) -> Region:
         """Cut the newest region's candidates to ``budget`` by the new window's queries."""
         start, held = self.pending
-        state, first = self.state, self.layers[0]
-        dropped = state.logical_length - state.length
-        q_from = region.start + region.span - region.n_queries + dropped
-        slots = torch.arange(q_from, q_from + region.n_queries, device=first.keys.device) % first.ring
+        state = self.state
         span = slice(region.start, region.start + region.span)
         # The candidates, then the new span: every query is later than every candidate.
         keys = [torch.cat([layer.keys[:, :, start : start + held], layer.keys[:, :, span]], 2) for layer in self.layers]
         window = Window(
-            queries=torch.stack([layer.queries[:, :, slots] for layer in self.layers], dim=1),
+            queries=self.region_queries(region),
             keys=torch.stack(keys, dim=1),
             n_compress=held,
         )

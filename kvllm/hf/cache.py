@@ -187,13 +187,20 @@ class CompressingCache(Cache):
         s = self.state
         return (s.length - s.prompt_len) / max(1, s.logical_length - s.prompt_len)
 
+    def region_queries(self, region: Region) -> Tensor:
+        """``[B, L, Hq, n_queries, D]``: the queries of the last ``region.n_queries`` tokens
+        of ``region``'s span, from each layer's ring."""
+        first = self.layers[0]
+        # Tail slots were never compressed: padded token index = slot + dropped slots.
+        dropped = self.state.logical_length - self.state.length
+        q_from = region.start + region.span - region.n_queries + dropped
+        slots = torch.arange(q_from, q_from + region.n_queries, device=first.keys.device) % first.ring
+        return torch.stack([layer.queries[:, :, slots] for layer in self.layers], dim=1)
+
     def _compress(self, region: Region) -> None:
         state = self.state
         first = self.layers[0]
-        # Tail slots were never compressed: padded token index = slot + dropped slots.
         dropped = state.logical_length - state.length
-        q_from = region.start + region.span - region.n_queries + dropped
-        slots = torch.arange(q_from, q_from + region.n_queries, device=first.keys.device) % first.ring
         span = slice(region.start, region.start + region.span)
         positions = tuple(region.start + dropped - pad for pad in self.pad_lengths)
         # Past the model's context, where vLLM would not run, the table reaches the span's end.
@@ -203,7 +210,7 @@ class CompressingCache(Cache):
             # On the cache's device, so that a method's lookups move rows, not the table.
             self.rope = Rope(Rope.from_inv_freq(inv_freq, reach, scaling).cos_sin.to(first.keys.device))
         window = Window(
-            queries=torch.stack([layer.queries[:, :, slots] for layer in self.layers], dim=1),
+            queries=self.region_queries(region),
             keys=torch.stack([layer.keys[:, :, span] for layer in self.layers], dim=1),
             n_compress=region.n_compress,
             seeds=tuple(stream_seed(ids, state.rounds) for ids in self.prompt_ids),

@@ -113,7 +113,9 @@ class KaraRetain(Method):
     def check_model(self, model_config: Any) -> None:
         check_signature(self.params.calibration, WEIGHTS, model_config, ("num_layers", "num_kv_heads", None))
 
-    def select(self, window: Window, budget: int) -> Selection:
+    def scores(self, window: Window) -> Tensor:
+        """The mixed score of the compressible keys, ``[B, L, Hkv, C]``: Kara's and the
+        learned one, each z-scored over the window."""
         window.require("values", "rope", "positions", method=self.name)
         p = self.params
         weights = load_calibration(p.calibration, WEIGHTS).tensor
@@ -125,9 +127,13 @@ class KaraRetain(Method):
                 f"holds {WEIGHTS} of {list(weights.shape)}, but this model's windows need "
                 f"[{layers}, {hkv}, {2 * d + 1}]",
             )
+        kara = attention_scores(window, causal=False)[..., : window.n_compress]
+        return (1 - p.mix) * zscore(kara) + p.mix * zscore(retaining_scores(window, weights))
+
+    def select(self, window: Window, budget: int) -> Selection:
+        p = self.params
         c = window.n_compress
-        kara = attention_scores(window, causal=False)[..., :c]
-        scores = (1 - p.mix) * zscore(kara) + p.mix * zscore(retaining_scores(window, weights))
+        scores = self.scores(window)
         if p.token2chunk:
             # Token2Chunk sums endpoint scores over a gap's length: they must not be negative.
             scores = scores - scores.amin(dim=-1, keepdim=True)
