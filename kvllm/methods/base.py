@@ -216,6 +216,20 @@ class Method(ABC):
     def select(self, window: Window, budget: int) -> Selection:
         """Choose ``budget`` keys (on average) of ``window``'s compressible area."""
 
+    def scores(self, window: Window) -> Tensor:
+        """``[B, L, Hkv, C]``: the one score :meth:`select` ranks the compressible area by.
+
+        Lazy retention (:mod:`kvllm.methods.lazy`) carries it to a round's second cut. A
+        method that ranks by no single score (a random draw, per-chunk or cumulative
+        scores) does not define it, and lazy retention then cannot mix it in.
+        """
+        raise NotImplementedError(f"method {self.name!r} ranks by no single window score")
+
+    @classmethod
+    def has_scores(cls) -> bool:
+        """Whether the method defines :meth:`scores`."""
+        return cls.scores is not Method.scores
+
 
 _REGISTRY: dict[str, type[Method]] = {}
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import Tensor
+
 from kvllm.checks import check_int, check_number
 from kvllm.methods.base import FIELD, Method, MethodParams, Selection, Window, register
 from kvllm.methods.scoring import attention_scores, topk_sorted
@@ -64,10 +66,12 @@ class Kara(Method):
     Params = KaraParams
     causal = False
 
+    def scores(self, window: Window) -> Tensor:
+        return attention_scores(window, causal=self.causal)[..., : window.n_compress]
+
     def select(self, window: Window, budget: int) -> Selection:
-        scores = attention_scores(window, causal=self.causal)[..., : window.n_compress]
         p = self.params
-        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
+        return Selection(token2chunk(self.scores(window), budget, p.rho, p.beta, p.max_gap))
 
 
 @register
@@ -80,9 +84,11 @@ class KaraCausal(Kara):
 class KaraTopK(Method):
     name = "kara-topk"
 
+    def scores(self, window: Window) -> Tensor:
+        return attention_scores(window, causal=False)[..., : window.n_compress]
+
     def select(self, window: Window, budget: int) -> Selection:
-        scores = attention_scores(window, causal=False)[..., : window.n_compress]
-        return Selection(topk_sorted(scores, min(budget, window.n_compress)))
+        return Selection(topk_sorted(self.scores(window), min(budget, window.n_compress)))
 
 
 @dataclass(frozen=True)
@@ -118,10 +124,8 @@ class KaraFar(Kara):
     name = "kara-far"
     Params = KaraFarParams
 
-    def select(self, window: Window, budget: int) -> Selection:
-        p = self.params
-        scores = attention_scores(window, causal=False, band=p.band)[..., : window.n_compress]
-        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
+    def scores(self, window: Window) -> Tensor:
+        return attention_scores(window, causal=False, band=self.params.band)[..., : window.n_compress]
 
 
 @dataclass(frozen=True)
@@ -156,11 +160,9 @@ class KaraLate(Kara):
     name = "kara-late"
     Params = KaraLateParams
 
-    def select(self, window: Window, budget: int) -> Selection:
-        p = self.params
-        n_queries = min(p.obs_window, window.queries.shape[-2])
-        scores = attention_scores(window, causal=False, last_queries=n_queries)[..., : window.n_compress]
-        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
+    def scores(self, window: Window) -> Tensor:
+        n_queries = min(self.params.obs_window, window.queries.shape[-2])
+        return attention_scores(window, causal=False, last_queries=n_queries)[..., : window.n_compress]
 
 
 @register
@@ -181,7 +183,5 @@ class KaraTwoWay(Kara):
 
     name = "kara-twoway"
 
-    def select(self, window: Window, budget: int) -> Selection:
-        p = self.params
-        scores = attention_scores(window, causal=False, given_later=True)[..., : window.n_compress]
-        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
+    def scores(self, window: Window) -> Tensor:
+        return attention_scores(window, causal=False, given_later=True)[..., : window.n_compress]

@@ -36,7 +36,7 @@ from kvllm.checks import check_number, fail
 from kvllm.methods.base import FIELD, Method, Selection, Window, register
 from kvllm.methods.kara import KaraParams
 from kvllm.methods.qfilter import check_signature, load_calibration
-from kvllm.methods.scoring import attention_scores, topk_sorted
+from kvllm.methods.scoring import attention_scores, topk_sorted, zscore
 from kvllm.methods.token2chunk import token2chunk
 
 #: The calibration file's tensor: ``[L, Hkv, 2 D + 1]`` fp32 weights (key, value, bias).
@@ -77,13 +77,6 @@ class RetainParams(KaraParams):
         check_number(f"{FIELD}.mix", self.mix, 0.0, 1.0, "must be in [0, 1]")
         if not isinstance(self.token2chunk, bool):
             fail(f"{FIELD}.token2chunk", self.token2chunk, "must be true or false")
-
-
-def zscore(scores: Tensor) -> Tensor:
-    """``scores`` ``[..., C]`` z-scored along the last dim (a flat row scores 0)."""
-    mean = scores.mean(dim=-1, keepdim=True)
-    std = scores.std(dim=-1, keepdim=True).nan_to_num(0.0).clamp_min(1e-6)
-    return (scores - mean) / std
 
 
 def retaining_scores(window: Window, weights: Tensor) -> Tensor:

@@ -118,6 +118,14 @@ def avg_pool(scores: Tensor, kernel: int) -> Tensor:
     return F.avg_pool1d(scores.reshape(-1, 1, shape[-1]), kernel, stride=1, padding=kernel // 2).view(shape)
 
 
+def zscore(scores: Tensor) -> Tensor:
+    """``scores`` ``[..., C]`` z-scored along the last dim (a flat row scores 0)."""
+    mean = scores.mean(dim=-1, keepdim=True)
+    # A one-entry row has no spread (and the unbiased std of one entry is undefined).
+    std = scores.std(dim=-1, keepdim=True, correction=int(scores.shape[-1] > 1)).nan_to_num(0.0).clamp_min(1e-6)
+    return (scores - mean) / std
+
+
 def topk_sorted(scores: Tensor, k: int) -> Tensor:
     """Indices of the ``k`` largest entries of the last dim, sorted ascending."""
     return scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
