@@ -66,6 +66,15 @@ class CompressionConfig:
         preempt each other (docs/design.md, "Admission"). vLLM's rule is the default
         because it measured faster (docs/results/throughput.md). Engine-wide; a request cannot
         override it.
+    lazy
+        F: lazy two-stage retention (:mod:`kvllm.methods.lazy`). A round first keeps
+        min(W, F * m) of its window; the next round's queries cut those to m. 1 (the
+        default, the paper's) keeps m at once. Periodic policy and uniform methods only.
+    lazy_keep
+        A in [0, 1]: the second cut's weight on the score the first stage ranked by
+        (:meth:`~kvllm.methods.base.Method.scores`), against the later queries' 1 - A.
+        Above 0 it needs a method with such a score. 0.5 was chosen for Kara on
+        development seeds of ``reason`` (docs/results/accuracy.md).
     params
         Overrides of the method's own parameters (its ``Params`` dataclass, e.g.
         :class:`kvllm.methods.kara.KaraParams`); unset fields keep the method's defaults.
@@ -85,6 +94,8 @@ class CompressionConfig:
     threshold_budget: int = 512
     threshold_interval: int = 128
     admission: AdmissionName = "vllm"
+    lazy: int = 1
+    lazy_keep: float = 0.5
     # Excluded from the hash (a dict is unhashable); equality still compares it.
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -116,12 +127,36 @@ class CompressionConfig:
                 "uncompressed windows give; use policy='periodic'",
             )
         check_choice(f"{F}.admission", self.admission, ADMISSIONS)
+        check_int(f"{F}.lazy", self.lazy, 1)
+        check_number(f"{F}.lazy_keep", self.lazy_keep, 0.0, 1.0, "must be in [0, 1]")
+        if self.lazy > 1:
+            self._check_lazy()
         if isinstance(self.params, MethodParams):
             object.__setattr__(self, "params", dataclasses.asdict(self.params))
         if not isinstance(self.params, Mapping):
             fail(f"{F}.params", self.params, "must be a mapping of the method's parameter names to values")
         object.__setattr__(self, "params", dict(self.params))
         _ = self.method_params  # resolve (and check) now, not at the first round
+
+    def _check_lazy(self) -> None:
+        """What lazy retention needs: regions that follow each other, as the periodic policy's
+        do; one count for every (layer, KV head); and, to mix it in, the method's score."""
+        if self.policy != "periodic":
+            fail(f"{F}.lazy", self.lazy, "must be 1 under policy='threshold': a second cut needs the periodic policy")
+        method = method_class(self.method)
+        if not method.uniform:
+            fail(f"{F}.lazy", self.lazy, f"must be 1 with method {self.method!r}, whose counts vary by layer and head")
+        if self.lazy_keep > 0 and not method.has_scores():
+            fail(
+                f"{F}.lazy_keep",
+                self.lazy_keep,
+                f"must be 0 with method {self.method!r}, which ranks by no single window score to carry",
+            )
+
+    @property
+    def lazy_first(self) -> int:
+        """Slots a lazy round keeps of its window at first: min(W, F * m); m when not lazy."""
+        return min(self.window, self.lazy * self.budget)
 
     @cached_property
     def method_params(self) -> MethodParams:

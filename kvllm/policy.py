@@ -33,6 +33,9 @@ class SeqState:
         Tokens the sequence has seen; RoPE positions count from it.
     rounds
         Compression rounds run on this sequence.
+    pending
+        Lazy retention: the last round's candidates, the slots right before the tail,
+        which the next round cuts (:mod:`kvllm.methods.lazy`); 0 otherwise.
     """
 
     prompt_len: int
@@ -40,6 +43,7 @@ class SeqState:
     tail_start: int = 0
     logical_length: int = 0
     rounds: int = 0
+    pending: int = 0
 
     def __post_init__(self) -> None:
         self.length = max(self.length, self.prompt_len)
@@ -71,7 +75,8 @@ class Region:
 
     The scoring span is ``[start, start + span)``; its first ``n_compress`` slots are
     compressible and shrink to ``budget``; the queries that score it are those of the
-    span's last ``n_queries`` tokens.
+    span's last ``n_queries`` tokens. Under lazy retention the area opens with the
+    previous round's ``candidates`` (:mod:`kvllm.methods.lazy`).
     """
 
     start: int
@@ -79,6 +84,7 @@ class Region:
     span: int
     n_queries: int
     budget: int
+    candidates: int = 0
 
     @property
     def freed(self) -> int:
@@ -125,6 +131,12 @@ class PeriodicWindowPolicy(Policy):
     window is the first W + b tokens of the tail; its first W (the area C) shrink to
     m = max(1, round(r * W)). The buffer's b tokens are not compressed this round: they
     open the next window, so each generated token is compressed at most once.
+
+    Under lazy retention (``config.lazy`` F > 1) the window keeps min(W, F m) candidates,
+    and the next round's area is those candidates and its own window, cut to m and to
+    the new candidates: each generated token is still dropped by one round at most (its
+    window's or the next), and every round frees W - m slots but the first, which frees
+    W - F m.
     """
 
     def plan(self, state: SeqState) -> Region | None:
@@ -137,7 +149,15 @@ class PeriodicWindowPolicy(Policy):
         span = cfg.window + cfg.buffer
         if state.tail < span:
             return None
-        return Region(state.tail_start, cfg.window, span, span, cfg.budget)
+        n = state.pending
+        # The candidates' cut keeps m; the new window keeps m, or its lazy candidates.
+        budget = (cfg.budget if n else 0) + cfg.lazy_first
+        return Region(state.tail_start - n, n + cfg.window, n + span, span, budget, candidates=n)
+
+    def commit(self, state: SeqState, region: Region) -> None:
+        super().commit(state, region)
+        if self.config.lazy > 1:
+            state.pending = self.config.lazy_first
 
     def recompute_stop(self, state: SeqState) -> int | None:
         """The end of the tail's first window: the round that compresses it needs the

@@ -35,6 +35,10 @@ def test_defaults_are_valid() -> None:
         ("params", [1], "mapping"),
         ("window", 128.0, "multiple of block_size"),
         ("buffer", True, "integer"),
+        ("lazy", 0, "[1, inf]"),
+        ("lazy", 1.5, "integer"),
+        ("lazy_keep", -0.1, "[0, 1]"),
+        ("lazy_keep", 1.5, "[0, 1]"),
     ],
 )
 def test_invalid_values_name_field_value_and_range(field: str, value: object, fragment: str) -> None:
@@ -125,3 +129,24 @@ def test_replace_with_another_method_drops_the_old_methods_params() -> None:
     assert cfg.replace(method="snapkv").params == {}
     assert cfg.replace(retention=0.3).params == {"rho": 0.25}
     assert cfg.replace(method="chunkkv", params={"chunk_size": 8}).method_params.chunk_size == 8
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "fragment"),
+    [
+        ({"policy": "threshold"}, "lazy", "periodic policy"),
+        ({"method": "pyramidkv"}, "lazy", "vary by layer and head"),
+        ({"method": "random"}, "lazy_keep", "no single window score"),
+    ],
+)
+def test_lazy_retention_is_refused_where_it_cannot_run(changes: dict, field: str, fragment: str) -> None:
+    with pytest.raises(ValueError, match=rf"CompressionConfig\.{field}=.*{fragment}"):
+        CompressionConfig(lazy=2, **changes)
+
+
+def test_lazy_retention_keeps_f_times_the_budget_at_first_at_most_a_window() -> None:
+    assert CompressionConfig(lazy=2).lazy_first == 2 * 26
+    assert CompressionConfig(lazy=2, retention=0.75).lazy_first == 128
+    assert CompressionConfig().lazy_first == 26
+    # A method without a single score runs lazily when the cut uses the later reads alone.
+    assert CompressionConfig(method="random", lazy=2, lazy_keep=0.0).lazy == 2

@@ -109,3 +109,61 @@ def test_physical_growth_is_the_simulated_length(prompt: int, steps: int, period
     assert len(growth) == steps + 1 and not growth.flags.writeable
     state, _, _ = _simulate(cfg, prompt, steps)
     assert growth[steps] == state.length - prompt + 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    prompt=st.integers(1, 50),
+    steps=st.integers(0, 600),
+    buffer=st.integers(0, 31),
+    period=st.integers(1, 32),
+    retention=st.floats(0.05, 1.0),
+    lazy=st.integers(2, 4),
+)
+def test_lazy_rounds_cut_the_last_candidates_and_keep_the_new_windows(
+    prompt: int, steps: int, buffer: int, period: int, retention: float, lazy: int
+) -> None:
+    """Under lazy retention a round's area is the previous round's candidates, then a
+    window no round has seen; the candidates end at m slots, the window at min(W, F m),
+    and every other round's kept slots stay where they are."""
+    cfg = CompressionConfig(window=32, buffer=buffer, period=period, retention=retention, lazy=lazy)
+    m, first = cfg.budget, cfg.lazy_first
+    policy = build_policy(cfg)
+    state = SeqState(prompt_len=prompt)
+    slots = list(range(prompt))
+    seen: set[int] = set()
+    candidates: list[int] = []
+    for step in range(1, steps + 1):
+        slots.append(prompt + step - 1)
+        state.append()
+        region = policy.plan(state)
+        if region is None:
+            continue
+        area = slots[region.start : region.start + region.n_compress]
+        assert region.candidates == len(candidates) and area[: len(candidates)] == candidates
+        window = area[len(candidates) :]
+        assert len(window) == cfg.window and not seen & set(window), "a window is new to every round"
+        assert region.span - region.n_compress == buffer and region.n_queries == cfg.window + buffer
+        seen |= set(window)
+        before = slots[: region.start]
+        # Any choice works: the policy must not care which.
+        kept = candidates[len(candidates) - m :] + window[cfg.window - first :]
+        assert region.budget == len(kept)
+        slots[region.start : region.start + region.n_compress] = kept
+        policy.commit(state, region)
+        assert slots[: region.start] == before and len(slots) == state.length
+        candidates = window[cfg.window - first :]
+        assert state.pending == first and state.tail_start == len(slots) - state.tail
+    if state.rounds:
+        assert state.length == prompt + (state.rounds - 1) * m + first + state.tail
+    assert state.logical_length == prompt + steps
+
+
+def test_lazy_growth_holds_the_newest_candidates_over_the_budget() -> None:
+    """Admission's projection replays the lazy policy: F m - m more slots once rounds run."""
+    plain = CompressionConfig(window=32, buffer=8, period=4, retention=0.25)
+    lazy = plain.replace(lazy=2)
+    g_plain, g_lazy = physical_growth(plain, 400), physical_growth(lazy, 400)
+    first_round = 40  # the tail reaches W + b at step 40, a multiple of P
+    assert (g_lazy[:first_round] == g_plain[:first_round]).all()
+    assert (g_lazy[first_round:] - g_plain[first_round:] == lazy.lazy_first - lazy.budget).all()

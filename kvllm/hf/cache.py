@@ -25,7 +25,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from kvllm.config import CompressionConfig
 from kvllm.generation import SeqStats
 from kvllm.hf.compaction import compact
-from kvllm.methods import Method, Window, build, stream_seed
+from kvllm.methods import Method, Selection, Window, build, stream_seed
+from kvllm.methods.lazy import LazyRound, lazy_select
 from kvllm.methods.rope import Rope
 from kvllm.policy import Region, SeqState, build_policy
 
@@ -118,6 +119,8 @@ class CompressingCache(Cache):
         # sees the same rows in both backends. Built at the first round.
         self.max_positions: int = model_config.max_position_embeddings
         self.rope: Rope | None = None
+        # Lazy retention: the newest candidates' stage-one scores, for the next round's cut.
+        self.carry: Tensor | None = None
 
     @classmethod
     def for_batch(
@@ -218,7 +221,7 @@ class CompressingCache(Cache):
             values=torch.stack([layer.values[:, :, span] for layer in self.layers], dim=1),
             rope=self.rope,
         )
-        selection = self.method.select(window, region.budget)
+        selection = self._select(window, region)
         for i, layer in enumerate(self.layers):
             idx = selection.indices[:, i]
             layer.keys = compact(layer.keys, region.start, region.n_compress, idx)
@@ -230,6 +233,14 @@ class CompressingCache(Cache):
             layer.valid = valid
         # A variable-budget method pads its rows to the widest; the padding is masked.
         self.policy.commit(state, dataclasses.replace(region, budget=selection.indices.shape[-1]))
+
+    def _select(self, window: Window, region: Region) -> Selection:
+        cfg = self.compression
+        if cfg.lazy == 1:
+            return self.method.select(window, region.budget)
+        plan = LazyRound(region.candidates, cfg.budget, cfg.lazy_first, cfg.lazy_keep)
+        selection, self.carry = lazy_select(self.method, window, plan, self.carry if region.candidates else None)
+        return selection
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Physical slots held (transformers' notion of the cache length)."""

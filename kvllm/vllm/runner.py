@@ -42,7 +42,8 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.worker.block_table import MultiGroupBlockTable
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from kvllm.methods import Window, build
+from kvllm.methods import Selection, Window, build
+from kvllm.methods.lazy import LazyRound, lazy_select
 from kvllm.methods.rope import Rope
 from kvllm.vllm import paged
 from kvllm.vllm.capture import LAYER_ATTR, QueryRing, StepCapture
@@ -82,6 +83,8 @@ class CompressingCPUModelRunner(CPUModelRunner):
         self.kv_layers: list[Any] = []
         self.kv_tp_size, self.kv_tp_rank = 1, 0
         self.kv_rope: Rope | None = None
+        # Lazy retention: each request's newest candidates' stage-one scores, for its next round.
+        self.kv_carry: dict[str, torch.Tensor] = {}
 
     # -- setup ---------------------------------------------------------------------
     def _kv_setup(self) -> None:
@@ -126,6 +129,7 @@ class CompressingCPUModelRunner(CPUModelRunner):
         for req_id in gone:
             self.kv_ring.release(req_id)
             self.kv_dropped.pop(req_id, None)
+            self.kv_carry.pop(req_id, None)
         if plan.compactions:
             self._compact(plan.compactions)
         for req_id, keep in plan.keep_blocks.items():
@@ -237,11 +241,24 @@ class CompressingCPUModelRunner(CPUModelRunner):
             values=None if values is None else self._all_heads(values),
             rope=self.kv_rope,
         )
-        kept = method.select(window, budget).indices  # [B, L, Hkv, m]
+        kept = self._select(group, method, window, budget, config).indices  # [B, L, Hkv, m]
         if self.kv_tp_size > 1:  # this rank's KV heads, in vLLM's contiguous split
             local = kept.shape[2] // self.kv_tp_size
             kept = kept[:, :, self.kv_tp_rank * local : (self.kv_tp_rank + 1) * local]
         self._rewrite(group, kept, tables, bs)
+
+    def _select(self, group: list[Compaction], method: Any, window: Window, budget: int, config: Any) -> Selection:
+        """The group's selection; under lazy retention, with each request's carried scores
+        (every rank keeps all heads' scores: each selects on all heads)."""
+        if config.lazy == 1:
+            return method.select(window, budget)
+        n = group[0].region.candidates  # one count per group: it sets the area's size
+        plan = LazyRound(n, config.budget, config.lazy_first, config.lazy_keep)
+        carried = torch.stack([self.kv_carry[c.req_id] for c in group]) if n and config.lazy_keep > 0 else None
+        selection, carry = lazy_select(method, window, plan, carried)
+        for c, row in zip(group, carry, strict=True):
+            self.kv_carry[c.req_id] = row
+        return selection
 
     def _all_heads(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, L, heads of this rank, ...]`` gathered over the TP ranks, in rank order."""

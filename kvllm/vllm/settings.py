@@ -22,7 +22,7 @@ from kvllm.config import CompressionConfig
 from kvllm.methods import build, calibrated, method_class
 
 KEY = "kvllm"
-OVERRIDABLE = ("method", "retention", "params", "off")
+OVERRIDABLE = ("method", "retention", "params", "lazy", "lazy_keep", "off")
 SCHEDULER = "kvllm.vllm.scheduler.CompressingScheduler"
 
 

@@ -315,3 +315,31 @@ def test_the_window_carries_the_spans_values_and_its_pre_rope_keys(tokenizer) ->
                     unrotated[row, layer], keys[row, :, first : first + span], atol=1e-5, rtol=1e-5
                 )
                 assert torch.equal(window.values[row, layer], vals[row, :, first : first + span])
+
+
+def test_lazy_retention_at_keep_all_is_plain_generation(tokenizer) -> None:
+    """At r=1 both stages keep everything: the rounds, carried scores included, run and
+    change nothing."""
+    model = _model(tokenizer, "qwen3", 4, 2)
+    cfg = CompressionConfig(window=32, buffer=8, period=4, retention=1.0, lazy=2)
+    got = generate(model, tokenizer, PROMPTS, cfg, 160, stop_at_eos=False)
+    assert all(s.compressions >= 3 for s in got.stats)
+    assert got.token_ids == _reference(model, tokenizer, PROMPTS, 160)
+
+
+@pytest.mark.parametrize(("method", "keep"), [("kara", 0.5), ("kara-retain", 0.9), ("snapkv", 0.0)])
+def test_lazy_retention_holds_the_newest_candidates_over_the_budget(
+    tokenizer, calibration: str, method: str, keep: float
+) -> None:
+    model = _model(tokenizer, "qwen3", 4, 2)
+    params = {"calibration": calibration} if calibrated(method) else {}
+    plain = CompressionConfig(method=method, window=32, buffer=8, period=4, retention=0.25, params=params)
+    lazy = plain.replace(lazy=2, lazy_keep=keep)
+    a = generate(model, tokenizer, PROMPTS, plain, 200, stop_at_eos=False)
+    b = generate(model, tokenizer, PROMPTS, lazy, 200, stop_at_eos=False)
+    for p, lz in zip(a.stats, b.stats, strict=True):
+        assert p.compressions == lz.compressions >= 3
+        # Every region ends at m = 8 slots but the newest, which holds 2m until the next round.
+        assert lz.physical_length - p.physical_length == 8
+        assert lz.logical_length == p.logical_length
+    assert a.token_ids != b.token_ids  # the second cut keeps other tokens: the test can tell

