@@ -1,18 +1,15 @@
-"""Development-seed check of two selection bets of issue 41: lazy two-stage retention and
-merging dropped values into kept ones.
+"""Development-seed check of the selection bets of issue 41: lazy two-stage retention and
+merging dropped values into kept ones, around any registered method.
 
-Both change what a round does to the cache, not how a window is scored, so they run here
-as a subclass of the reference backend's cache around any registered method:
-
-- **lazy (F)**: a round keeps F times the budget of its window (stage one, the method's
-  own selection). At the next round, the queries of the next window (all of them later
-  than every kept key) rescore those candidates by their softmax attention over the
-  candidates and the new span, and a second cut keeps the budget's top ones (stage two).
-  So the future votes, and every region but the newest ends at the same memory.
+- **lazy (F)**: the registered lazy retention (:mod:`kvllm.methods.lazy`,
+  ``CompressionConfig.lazy``): a round keeps F times the budget of its window, and the
+  next round's queries cut those candidates to the budget.
 - **merge (TAU)**: before a round compacts, each dropped key's value is folded into the
   kept key of the same region, layer and KV head its key is most similar to (cosine),
   weighted by that similarity when it is above TAU, as in the merging methods (D2O,
-  CaM): ``v_i <- (v_i + sum_j s_ij v_j) / (1 + sum_j s_ij)``.
+  CaM): ``v_i <- (v_i + sum_j s_ij v_j) / (1 + sum_j s_ij)``. It changes what a round
+  writes, not a window's score, so it runs here as a subclass of the reference
+  backend's cache.
 
 Each cell runs free on `reason` with `kara-reasoner-6l` (W=128, b=32, P=16) and prints
 the statement grade (docs/guide/evaluation.md), the chains' length and the generated KV
@@ -20,13 +17,13 @@ held at the end.
 
     python tools/selection_bets.py [N] [R] [CELL,...] [FIRST_SEED] [OUT.jsonl]
 
-A CELL is ``METHOD`` with modifiers: ``+lazyF`` (stage one keeps F times the budget),
-``+keepA`` (stage two ranks by ``(1 - A) z(later) + A z(stage one's score)``, the method's
-own score, Kara's mixed with the learned one for ``kara-retain``) and ``+mergeTAU``;
-``kara-retain`` reads the model's shipped calibration file. FIRST_SEED defaults to the
-first development seed. Each cell prints its pooled grade and its paired difference from
-the first cell's (a bootstrap over problems); OUT.jsonl, when given, gets a row per problem
-and cell, and completions.jsonl.gz beside it the completions' token ids.
+A CELL is ``METHOD`` with modifiers: ``+lazyF`` (``CompressionConfig.lazy``), ``+keepA``
+(its ``lazy_keep``: the second cut ranks by ``(1 - A) z(later) + A z(stage one's
+score)``; 0 when not given) and ``+mergeTAU``; ``kara-retain`` reads the model's shipped
+calibration file. FIRST_SEED defaults to the first development seed. Each cell prints
+its pooled grade and its paired difference from the first cell's (a bootstrap over
+problems); OUT.jsonl, when given, gets a row per problem and cell, and
+completions.jsonl.gz beside it the completions' token ids.
 """
 
 from __future__ import annotations
@@ -52,10 +49,7 @@ from kvllm.eval.statements import grade, program
 from kvllm.eval.stats import paired_difference
 from kvllm.hf import generate
 from kvllm.hf.cache import CompressingCache
-from kvllm.hf.compaction import compact
 from kvllm.methods import Method, Selection, Window
-from kvllm.methods.retain import KaraRetain, zscore
-from kvllm.methods.scoring import attention_scores, topk_sorted
 from kvllm.policy import Region
 
 DEV_SEEDS = 100_000  # the first development seed (kvllm eval --dev-seeds)
@@ -94,6 +88,9 @@ class Cell:
                 cell = dataclasses.replace(cell, keep=float(mod[4:]))
             else:
                 raise SystemExit(f"CELL modifier {mod!r} is invalid: must be lazyF, keepA or mergeTAU")
+        if cell.lazy > 1 and cell.merge is not None:
+            # Merging writes the area a method scores; a lazy round scores part of its area.
+            raise SystemExit(f"CELL {text!r} is invalid: lazyF and mergeTAU do not combine")
         return cell
 
 
@@ -115,92 +112,51 @@ def merged_values(keys: Tensor, values: Tensor, kept: Tensor, tau: float) -> Ten
     return (num / den[..., None]).to(values.dtype)
 
 
-class Round(Method):
-    """A method's selection, with what the cell adds to a round: the dropped values folded
-    into the cache's kept slots (merge), the kept keys' stage-one scores remembered (lazy)."""
+class Merging(Method):
+    """A method's selection, with the dropped values of its area folded into the cache's
+    kept slots before the round compacts them."""
 
-    name = "round"
+    name = "merging"
 
-    def __init__(self, inner: Method, cache: BetCache) -> None:
+    def __init__(self, inner: Method, cache: MergeCache) -> None:
         super().__init__(inner.params)
         self.inner, self.cache = inner, cache
 
     def select(self, window: Window, budget: int) -> Selection:
         selection = self.inner.select(window, budget)
-        c, start, cell = window.n_compress, self.cache.region_start, self.cache.cell
-        if cell.merge is not None:
-            for i, layer in enumerate(self.cache.layers):
-                kept = selection.indices[:, i]
-                values = merged_values(window.keys[:, i, :, :c], window.values[:, i, :, :c], kept, cell.merge)
-                layer.values[:, :, start : start + c].scatter_(2, kept[..., None].expand_as(values), values)
-        if cell.lazy > 1 and cell.keep > 0:
-            self.cache.first_scores = first_scores(self.inner, window).gather(-1, selection.indices)
+        c, start = window.n_compress, self.cache.region_start
+        for i, layer in enumerate(self.cache.layers):
+            kept = selection.indices[:, i]
+            values = merged_values(window.keys[:, i, :, :c], window.values[:, i, :, :c], kept, self.cache.tau)
+            layer.values[:, :, start : start + c].scatter_(2, kept[..., None].expand_as(values), values)
         return selection
 
 
-def first_scores(method: Method, window: Window) -> Tensor:
-    """The score ``method`` ranked the area by: ``kara-retain``'s mixed score, else Kara's
-    column sums, z-scored."""
-    if isinstance(method, KaraRetain):
-        return method.scores(window)
-    return zscore(attention_scores(window, causal=False)[..., : window.n_compress])
+class MergeCache(CompressingCache):
+    """The reference cache, its rounds merging with threshold :attr:`tau`."""
 
-
-class BetCache(CompressingCache):
-    """The reference cache with :class:`Cell`'s two changes to a round."""
-
-    cell = Cell("kara")
+    tau = 0.5
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.pending: tuple[int, int] | None = None  # the newest region's first slot and kept count
         self.region_start = 0
-        self.first_scores: Tensor | None = None  # [B, L, Hkv, kept] of the newest region
-        self.method = Round(self.method, self)
+        self.method = Merging(self.method, self)
 
     def _compress(self, region: Region) -> None:
-        budget = region.budget
-        if self.pending is not None:
-            region = self._second_cut(region, budget)
-        first = min(region.n_compress, budget * self.cell.lazy)
         self.region_start = region.start
-        super()._compress(dataclasses.replace(region, budget=first))
-        self.pending = (region.start, first) if first > budget else None
-
-    def _second_cut(self, region: Region, budget: int) -> Region:
-        """Cut the newest region's candidates to ``budget`` by the new window's queries."""
-        start, held = self.pending
-        state = self.state
-        span = slice(region.start, region.start + region.span)
-        # The candidates, then the new span: every query is later than every candidate.
-        keys = [torch.cat([layer.keys[:, :, start : start + held], layer.keys[:, :, span]], 2) for layer in self.layers]
-        window = Window(
-            queries=self.region_queries(region),
-            keys=torch.stack(keys, dim=1),
-            n_compress=held,
-        )
-        scores = zscore(attention_scores(window, causal=False)[..., :held])
-        if self.cell.keep > 0:
-            scores = (1 - self.cell.keep) * scores + self.cell.keep * zscore(self.first_scores)
-        kept = topk_sorted(scores, budget)
-        for i, layer in enumerate(self.layers):
-            idx = kept[:, i]
-            layer.keys = compact(layer.keys, start, held, idx)
-            layer.values = compact(layer.values, start, held, idx)
-            layer.valid = compact(layer.valid, start, held, idx)
-        freed = held - budget
-        state.length -= freed
-        state.tail_start -= freed
-        return dataclasses.replace(region, start=region.start - freed)
+        super()._compress(region)
 
 
 def generate_cell(
     cell: Cell, model, tokenizer, prompts: list[str], config: CompressionConfig, max_new_tokens: int, **kw
 ):
-    """:func:`kvllm.hf.generate` (``kw``: its keywords) with ``cell``'s rounds: its cache
-    swapped for a :class:`BetCache`."""
+    """:func:`kvllm.hf.generate` (``kw``: its keywords) of ``config`` with ``cell``'s changes:
+    its lazy retention, and its cache swapped for a :class:`MergeCache` when it merges."""
+    config = config.replace(lazy=cell.lazy, lazy_keep=cell.keep)
+    if cell.merge is None:
+        return generate(model, tokenizer, prompts, config, max_new_tokens, **kw)
     module = importlib.import_module("kvllm.hf.generate")
-    with mock.patch.object(module, "CompressingCache", type("Cache", (BetCache,), {"cell": cell})):
+    with mock.patch.object(module, "CompressingCache", type("Cache", (MergeCache,), {"tau": cell.merge})):
         return generate(model, tokenizer, prompts, config, max_new_tokens, **kw)
 
 

@@ -57,7 +57,8 @@ DEFAULT_SYSTEMS = (
     "snapkv-threshold@0.2",
 )
 _SYSTEM = re.compile(
-    r"^(?P<name>[a-z0-9-]+?)(?:-(?P<policy>periodic|threshold))?(?:@(?P<r>[0-9.]+)(?:/(?P<w>\d+)/(?P<b>\d+))?)?$"
+    r"^(?P<name>[a-z0-9-]+?)(?:-(?P<policy>periodic|threshold))?(?:\+lazy(?P<lazy>\d+)(?::(?P<keep>[0-9.]+))?)?"
+    r"(?:@(?P<r>[0-9.]+)(?:/(?P<w>\d+)/(?P<b>\d+))?)?$"
 )
 # Room kept for a threshold round's interval (kvllm.bench.throughput.matched_threshold_budget).
 THRESHOLD_INTERVAL = 64
@@ -66,7 +67,8 @@ THRESHOLD_INTERVAL = 64
 def parse_system(system: str, base: CompressionConfig, calibration: str | None = None) -> CompressionConfig | None:
     """The compression of a system string (``None`` for the vanilla systems).
 
-    ``kara@0.5/256/64`` is Kara at retention 0.5 with W=256, b=64; ``snapkv-threshold@0.2``
+    ``kara@0.5/256/64`` is Kara at retention 0.5 with W=256, b=64; ``kara+lazy2:0.5@0.2``
+    Kara with lazy retention, F=2 and A=0.5 (A defaults to the config's); ``snapkv-threshold@0.2``
     SnapKV's scores under the threshold policy, its budget matched to what Kara holds at
     the same retention after 2,048 tokens; a system without ``@`` takes ``base``'s
     retention, window and buffer. A method that reads a calibration file gets
@@ -80,7 +82,7 @@ def parse_system(system: str, base: CompressionConfig, calibration: str | None =
     if m is None:
         raise ValueError(
             f"--system {system!r} is invalid: must be {' or '.join(VANILLA)}, or METHOD[-periodic|-threshold]"
-            "[@RETENTION[/WINDOW/BUFFER]] (kara@0.5/256/64)"
+            "[+lazyF[:A]][@RETENTION[/WINDOW/BUFFER]] (kara@0.5/256/64, kara+lazy2@0.2)"
         )
     changes: dict[str, Any] = {"method": m["name"], "policy": m["policy"] or "periodic", "admission": "vllm"}
     try:
@@ -92,6 +94,10 @@ def parse_system(system: str, base: CompressionConfig, calibration: str | None =
         changes["retention"] = float(m["r"])
     if m["w"] is not None:
         changes["window"], changes["buffer"] = int(m["w"]), int(m["b"])
+    if m["lazy"] is not None:
+        changes["lazy"] = int(m["lazy"])
+    if m["keep"] is not None:
+        changes["lazy_keep"] = float(m["keep"])
     try:
         if changes["policy"] == "threshold":
             from kvllm.bench.throughput import matched_threshold_budget

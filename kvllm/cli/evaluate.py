@@ -13,6 +13,8 @@ from kvllm.cli.options import (
     TASK_FAMILIES,
     Buffer,
     D,
+    Lazy,
+    LazyKeep,
     Model,
     Op,
     Period,
@@ -59,6 +61,8 @@ def evaluate(
     window: Window = D.window,
     buffer: Buffer = D.buffer,
     period: Period = D.period,
+    lazy: Lazy = D.lazy,
+    lazy_keep: LazyKeep = D.lazy_keep,
     batch_size: Annotated[int, typer.Option(help="Prompts generated together.")] = 8,
     param: Annotated[
         list[str] | None,
@@ -111,7 +115,9 @@ def evaluate(
         )
     if reference_forced and math_jsonl:
         raise typer.BadParameter("--reference-forced is invalid with --math-jsonl: MATH problems have no reference")
-    base = make_config(window=window, buffer=buffer, period=period)
+    if lazy > 1 and (selectors := [m for m in methods if m in SELECTORS]):
+        raise typer.BadParameter(f"--lazy {lazy} is invalid with --method {selectors[0]}: it has no score to carry")
+    base = make_config(window=window, buffer=buffer, period=period, lazy=lazy, lazy_keep=lazy_keep)
     params = method_params(parse_params(param), methods)
     if calibration is not None:
         with_file = [m for m in methods if m in available() and calibrated(m)]
@@ -120,7 +126,10 @@ def evaluate(
         for m in with_file:
             params[m]["calibration"] = str(calibration)
     for m, r in ((m, r) for m in methods if m not in SELECTORS for r in retentions):
-        make_config(method=m, retention=r, window=window, buffer=buffer, period=period, params=params[m])
+        make_config(
+            method=m, retention=r, window=window, buffer=buffer, period=period, lazy=lazy, lazy_keep=lazy_keep,
+            params=params[m],
+        )  # fmt: skip
     first_seed = _first_seed(split_, test_seeds, dev_seeds, n)
     for f in families:
         if f not in FAMILIES:

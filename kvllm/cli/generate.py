@@ -11,6 +11,8 @@ from kvllm.cli.options import (
     Backend,
     Buffer,
     D,
+    Lazy,
+    LazyKeep,
     Model,
     Op,
     Param,
@@ -43,6 +45,8 @@ def generate(
     buffer: Buffer = D.buffer,
     period: Period = D.period,
     policy: Policy = D.policy,
+    lazy: Lazy = D.lazy,
+    lazy_keep: LazyKeep = D.lazy_keep,
     param: Param = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
@@ -59,7 +63,7 @@ def generate(
     if method != "none":
         config = make_config(
             method=method, retention=retention, window=window, buffer=buffer, period=period, policy=policy,
-            params=parse_params(param),
+            lazy=lazy, lazy_keep=lazy_keep, params=parse_params(param),
         )  # fmt: skip
     if task is not None and task not in FAMILIES:
         raise typer.BadParameter(f"--task {task!r} is invalid: must be one of {', '.join(FAMILIES)}")

@@ -47,6 +47,10 @@ Window = Annotated[int, typer.Option(help="Window W: compressible tokens (a mult
 Buffer = Annotated[int, typer.Option(help="Protected buffer b at the window's end.")]
 Period = Annotated[int, typer.Option(help="Period P: a round every P of a sequence's decode steps.")]
 Policy = Annotated[str, typer.Option(help=f"When to compress: {', '.join(POLICIES)}.")]
+Lazy = Annotated[
+    int, typer.Option(help="Lazy retention F: a window keeps F x its budget until the next window's queries cut it.")
+]
+LazyKeep = Annotated[float, typer.Option(help="Lazy retention: the cut's weight on stage one's score, in [0, 1].")]
 Param = Annotated[list[str] | None, typer.Option(help="A method parameter, KEY=VALUE (repeatable), e.g. rho=0.4.")]
 Op = Annotated[
     str | None,

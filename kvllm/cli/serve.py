@@ -9,6 +9,8 @@ import typer
 from kvllm.cli.options import (
     Buffer,
     D,
+    Lazy,
+    LazyKeep,
     Param,
     Period,
     Policy,
@@ -28,6 +30,8 @@ def serve(
     kv_buffer: Buffer = D.buffer,
     kv_period: Period = D.period,
     kv_policy: Policy = D.policy,
+    kv_lazy: Lazy = D.lazy,
+    kv_lazy_keep: LazyKeep = D.lazy_keep,
     kv_param: Param = None,
     kv_calibration: Annotated[
         str | None, typer.Option(help="The model's `kvllm calibrate` file, for --kv-compression qfilter.")
@@ -49,7 +53,7 @@ def serve(
     MODEL (or --model) defaults to the shipped model. Any `vllm serve` flag passes
     through, parsed by vLLM's own parser. Compression flags carry a kv- prefix so that
     they can never shadow one of vLLM's. Per request:
-    extra_body={"kvllm": {"method": ..., "retention": ..., "off": true}}.
+    extra_body={"kvllm": {"method": ..., "retention": ..., "lazy": ..., "off": true}}.
     """
     from kvllm.vllm.server import serve as run_server
 
@@ -60,7 +64,7 @@ def serve(
             params["calibration"] = kv_calibration  # the same as --kv-param calibration=PATH
         compression = make_config(
             method=kv_compression, retention=kv_retention, window=kv_window, buffer=kv_buffer, period=kv_period,
-            policy=kv_policy, params=params, admission=kv_admission,
+            policy=kv_policy, lazy=kv_lazy, lazy_keep=kv_lazy_keep, params=params, admission=kv_admission,
         )  # fmt: skip
     # The model is left in the flags: only vLLM's parser knows which flags take a value,
     # so it alone can tell MODEL from the value of a flag (`--port 8000`).

@@ -492,7 +492,10 @@ def _resolved(method: str, config: CompressionConfig | None) -> dict[str, Any]:
     """The parameters a method cell runs with, defaults included; none for Full KV, the oracle and the bound."""
     if config is None or method in SELECTORS:
         return {}
-    return asdict(config.method_params)
+    params = asdict(config.method_params)
+    if config.lazy > 1:  # lazy retention changes what a cell keeps, as a method parameter would
+        params |= {"lazy": config.lazy, "lazy_keep": config.lazy_keep}
+    return params
 
 
 def write_tables(results: Sequence[CellResult], out_dir: Path) -> None:

@@ -26,7 +26,18 @@ def test_system_strings_name_method_policy_retention_and_window() -> None:
     assert (snap.method, snap.policy, snap.threshold_interval) == ("snapkv", "threshold", 64)
     assert parse_system("kara-topk", BASE).method == "kara-topk"  # a name with a dash, no policy
     assert parse_system("snapkv-periodic", BASE).retention == BASE.retention
-    for bad, why in [("nope@0.2", "unknown method 'nope'"), ("kara@1.5", "retention"), ("kara@", "must be")]:
+    lazy = parse_system("kara+lazy2@0.2", BASE)
+    assert (lazy.method, lazy.lazy, lazy.lazy_keep, lazy.retention) == ("kara", 2, BASE.lazy_keep, 0.2)
+    assert parse_system("kara-topk+lazy3:0.9", BASE).lazy_keep == 0.9
+    bad_cases = [
+        ("nope@0.2", "unknown method 'nope'"),
+        ("kara@1.5", "retention"),
+        ("kara@", "must be"),
+        ("kara+lazy0@0.2", "lazy"),
+        ("kara-threshold+lazy2@0.2", "periodic policy"),
+        ("snapkv+lazy2@0.2", "no single window score"),
+    ]
+    for bad, why in bad_cases:
         with pytest.raises(ValueError, match=why):
             parse_system(bad, BASE)
     # A calibrated method needs its file.
