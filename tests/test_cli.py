@@ -305,3 +305,36 @@ def test_calibration_flags_set_the_methods_param(tiny: Path, tmp_path: Path, mon
     assert grids == [{"qfilter": {"calibration": str(path)}, "kara": {}}]
     unused = runner.invoke(app, [*args, "--method", "kara", "--calibration", str(path)])
     assert unused.exit_code != 0 and "no method among --method reads one" in unused.output
+
+
+def test_lazy_flags_reach_the_config(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvllm serve --kv-lazy`, `kvllm eval --lazy`: lazy retention in the config every cell
+    and the engine run with; refused where it cannot run, naming the flag's field."""
+    import sys
+    import types
+
+    from kvllm.eval import grid
+
+    served: list[CompressionConfig] = []
+    fake = types.ModuleType("kvllm.vllm.server")
+    fake.serve = lambda compression, *_args, **_kwargs: served.append(compression)
+    monkeypatch.setitem(sys.modules, "kvllm.vllm.server", fake)
+    result = runner.invoke(app, ["serve", "--kv-lazy", "2", "--kv-lazy-keep", "0.9"])
+    assert result.exit_code == 0, result.output
+    assert (served[0].lazy, served[0].lazy_keep) == (2, 0.9)
+    bad = runner.invoke(app, ["serve", "--kv-compression", "random", "--kv-lazy", "2"])
+    assert bad.exit_code != 0 and "CompressionConfig.lazy_keep=0.5" in bad.output
+
+    bases: list[CompressionConfig] = []
+
+    def run_grid(*args: object, **_kwargs: object) -> None:
+        bases.append(args[5])
+        raise SystemExit(0)  # the grid itself is not what is tested
+
+    monkeypatch.setattr(grid, "run_grid", run_grid)
+    args = ["eval", "--model", str(tiny), "--out", str(tmp_path / "eval"), "--n", "1", "--steps", "2"]
+    result = runner.invoke(app, [*args, "--method", "kara", "--lazy", "2", "--retention", "0.2"])
+    assert result.exit_code == 0, result.output
+    assert bases[0].lazy == 2
+    bound = runner.invoke(app, [*args, "--method", "kara,bound", "--lazy", "2", "--retention", "0.2"])
+    assert bound.exit_code != 0 and "--lazy 2 is invalid with --method bound" in bound.output

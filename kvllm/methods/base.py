@@ -225,6 +225,11 @@ class Method(ABC):
         """
         raise NotImplementedError(f"method {self.name!r} ranks by no single window score")
 
+    def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
+        """:meth:`select` and the :meth:`scores` it ranked by. A method whose selection
+        computes those scores overrides this, so that lazy retention scores a window once."""
+        return self.select(window, budget), self.scores(window)
+
     @classmethod
     def has_scores(cls) -> bool:
         """Whether the method defines :meth:`scores`."""

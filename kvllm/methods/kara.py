@@ -70,8 +70,12 @@ class Kara(Method):
         return attention_scores(window, causal=self.causal)[..., : window.n_compress]
 
     def select(self, window: Window, budget: int) -> Selection:
+        return self.select_scored(window, budget)[0]
+
+    def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
         p = self.params
-        return Selection(token2chunk(self.scores(window), budget, p.rho, p.beta, p.max_gap))
+        scores = self.scores(window)
+        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap)), scores
 
 
 @register
@@ -88,7 +92,11 @@ class KaraTopK(Method):
         return attention_scores(window, causal=False)[..., : window.n_compress]
 
     def select(self, window: Window, budget: int) -> Selection:
-        return Selection(topk_sorted(self.scores(window), min(budget, window.n_compress)))
+        return self.select_scored(window, budget)[0]
+
+    def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
+        scores = self.scores(window)
+        return Selection(topk_sorted(scores, min(budget, window.n_compress))), scores
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from torch import Tensor
+
 from kvllm.checks import fail
-from kvllm.methods.base import FIELD, Selection, Window, register
+from kvllm.methods.base import FIELD, Window, register
 from kvllm.methods.kara import Kara, KaraParams
 from kvllm.methods.noncausal_attn import POOL_KERNEL
 from kvllm.methods.scoring import attention_scores, avg_pool
-from kvllm.methods.token2chunk import token2chunk
 
 
 @dataclass(frozen=True)
@@ -64,16 +65,14 @@ class _KaraValue(Kara):
     def reads_values(self) -> bool:
         return self.vnorm
 
-    def select(self, window: Window, budget: int) -> Selection:
-        p = self.params
+    def scores(self, window: Window) -> Tensor:
         scores = attention_scores(window, causal=False)
         if self.vnorm:
             window.require("values", method=self.name)
             scores = scores * window.values.float().norm(dim=-1)
         if self.pooled:
-            scores = avg_pool(scores, p.pool_kernel)
-        scores = scores[..., : window.n_compress]
-        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
+            scores = avg_pool(scores, self.params.pool_kernel)
+        return scores[..., : window.n_compress]
 
 
 @register

@@ -100,12 +100,15 @@ def lazy_select(method: Method, window: Window, plan: LazyRound, carried: Tensor
             values=None if window.values is None else window.values[..., n:, :],
             rope=window.rope,
         )
-    selection = method.select(new, plan.first)
+    if plan.keep > 0:
+        selection, scores = method.select_scored(new, plan.first)
+    else:
+        selection = method.select(new, plan.first)
     if selection.valid is not None:
         raise ValueError(f"lazy retention needs a uniform method; {method.name!r} varies its counts")
     indices = selection.indices
     if plan.keep > 0:
-        carry = zscore(method.scores(new)).gather(-1, indices)
+        carry = zscore(scores).gather(-1, indices)
     else:
         carry = indices.new_empty(*indices.shape[:-1], 0, dtype=torch.float32)
     if n:

@@ -124,11 +124,13 @@ class KaraRetain(Method):
         return (1 - p.mix) * zscore(kara) + p.mix * zscore(retaining_scores(window, weights))
 
     def select(self, window: Window, budget: int) -> Selection:
+        return self.select_scored(window, budget)[0]
+
+    def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
         p = self.params
-        c = window.n_compress
         scores = self.scores(window)
         if p.token2chunk:
             # Token2Chunk sums endpoint scores over a gap's length: they must not be negative.
-            scores = scores - scores.amin(dim=-1, keepdim=True)
-            return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
-        return Selection(topk_sorted(scores, min(budget, c)))
+            shifted = scores - scores.amin(dim=-1, keepdim=True)
+            return Selection(token2chunk(shifted, budget, p.rho, p.beta, p.max_gap)), scores
+        return Selection(topk_sorted(scores, min(budget, window.n_compress))), scores

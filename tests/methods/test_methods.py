@@ -99,6 +99,19 @@ def test_reads_values_says_whether_select_needs_the_values(name: str, tmp_path: 
         torch.testing.assert_close(method.select(without, 6).indices, method.select(window, 6).indices)
 
 
+@pytest.mark.parametrize("name", [m for m in available() if method_class(m).has_scores()])
+def test_select_scored_is_select_and_scores_at_once(name: str, tmp_path: Path) -> None:
+    """Lazy retention carries the score a method ranked by: ``select_scored`` must give
+    the selection ``select`` gives and the ``scores`` it ranked by, whichever computes them."""
+    window = _values_window()
+    params = {"calibration": _calibration_for(tmp_path, window)} if calibrated(name) else {}
+    method = build(CompressionConfig(method=name, params=params))
+    selection, scores = method.select_scored(window, 6)
+    assert torch.equal(selection.indices, method.select(window, 6).indices)
+    torch.testing.assert_close(scores, method.scores(window))
+    assert scores.shape == (*window.keys.shape[:3], window.n_compress)
+
+
 def _values_window() -> Window:
     gen = torch.Generator().manual_seed(7)
     b, layers, hkv, group, n, d = 2, 2, 2, 2, 24, 8
