@@ -146,6 +146,18 @@ def test_bench_selection_runs_on_a_small_shape(monkeypatch: pytest.MonkeyPatch) 
         assert 0 <= float(low) <= float(median) <= float(high)
 
 
+def test_bench_selection_times_a_lazy_round_of_the_methods_that_run_one() -> None:
+    args = ["bench", "selection", "--lazy", "2", "--layers", "2", "--heads", "4", "--kv-heads", "2"]
+    result = runner.invoke(app, [*args, "--head-dim", "16", "--repeats", "2"])
+    assert result.exit_code == 0, result.output
+    names = [line.split("│")[1].strip() for line in result.output.splitlines() if line.count("│") == 6]
+    assert "kara+lazy2" in names and "kara-topk+lazy2" in names
+    # Left out by default: what cannot carry a score to the second cut, or varies its counts.
+    assert not {"random+lazy2", "pyramidkv+lazy2", "snapkv+lazy2"} & set(names)
+    bad = runner.invoke(app, [*args, "--method", "random"])
+    assert bad.exit_code != 0 and "CompressionConfig.lazy_keep=0.5" in bad.output
+
+
 def test_bench_selection_times_the_window_read_beside_the_selection() -> None:
     args = ["bench", "selection", "--method", "kara,kara-vnorm", "--layers", "2", "--heads", "4", "--kv-heads", "2"]
     result = runner.invoke(app, [*args, "--head-dim", "32", "--repeats", "2", "--window-read"])

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from kvllm.config import CompressionConfig
 from kvllm.methods import Window, build
+from kvllm.methods.lazy import LazyRound, lazy_select
 from kvllm.methods.rope import Rope
 
 
@@ -51,15 +52,19 @@ def time_selection(
     """Wall time of ``method.select`` over one window per sequence, fp32 inputs.
 
     The window has W + b queries, keys and values, as the periodic policy hands it over
-    (random ones, at positions from 0). One untimed call first warms up allocators and
-    kernels.
+    (random ones, at positions from 0). Under lazy retention (``config.lazy`` > 1) it is
+    a round after the first: the last round's candidates and their carried scores come
+    first, and the round runs both cuts (:func:`~kvllm.methods.lazy.lazy_select`). One
+    untimed call first warms up allocators and kernels.
     """
-    span = config.window + config.buffer
+    n = config.lazy_first if config.lazy > 1 else 0
+    queries = config.window + config.buffer
+    span = n + queries
     gen = torch.Generator().manual_seed(seed)
     window = Window(
-        queries=torch.randn(batch, layers, heads, span, head_dim, generator=gen),
+        queries=torch.randn(batch, layers, heads, queries, head_dim, generator=gen),
         keys=torch.randn(batch, layers, kv_heads, span, head_dim, generator=gen),
-        n_compress=config.window,
+        n_compress=n + config.window,
         # For the methods that draw (random, compactor's sketch), one stream per sequence.
         seeds=tuple(range(batch)),
         positions=(0,) * batch,
@@ -68,10 +73,14 @@ def time_selection(
         rope=Rope.from_inv_freq(1.0 / 1e6 ** (torch.arange(0, head_dim, 2) / head_dim), span),
     )
     method = build(config)
-    times = _timed(lambda: method.select(window, config.budget), repeats)
-    return SelectionTiming(
-        config.method, statistics.median(times), min(times), max(times), repeats, method.reads_values
-    )
+    if n:
+        plan = LazyRound(n, config.budget, config.lazy_first, config.lazy_keep)
+        carried = torch.randn(batch, layers, kv_heads, n, generator=gen)
+        times = _timed(lambda: lazy_select(method, window, plan, carried), repeats)
+    else:
+        times = _timed(lambda: method.select(window, config.budget), repeats)
+    label = f"{config.method}+lazy{config.lazy}" if n else config.method
+    return SelectionTiming(label, statistics.median(times), min(times), max(times), repeats, method.reads_values)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from kvllm.cli.options import (
     SERVERS,
     Buffer,
     D,
+    Lazy,
+    LazyKeep,
     Model,
     Op,
     Period,
@@ -44,6 +46,8 @@ def bench_selection(
     head_dim: Annotated[int, typer.Option(help="Head dimension.")] = 128,
     batch: Annotated[int, typer.Option(help="Windows selected together.")] = 1,
     repeats: Annotated[int, typer.Option(help="Timed repeats.")] = 5,
+    lazy: Lazy = D.lazy,
+    lazy_keep: LazyKeep = D.lazy_keep,
     window_read: Annotated[
         bool,
         typer.Option(help="Also time reading the window's keys and values from vLLM's paged CPU cache layout."),
@@ -51,8 +55,15 @@ def bench_selection(
 ) -> None:
     """Time one window's selection (scoring + choice) for a model shape."""
     from kvllm.bench.selection import read_table, time_selection, time_window_read, timing_table
+    from kvllm.methods import method_class
 
-    configs = [make_config(method=m, retention=retention, window=window, buffer=buffer) for m in split(method)]
+    methods = split(method)
+    if lazy > 1 and method == METHODS:  # by default, the methods lazy retention can run
+        methods = [m for m in methods if method_class(m).uniform and (lazy_keep == 0 or method_class(m).has_scores())]
+    configs = [
+        make_config(method=m, retention=retention, window=window, buffer=buffer, lazy=lazy, lazy_keep=lazy_keep)
+        for m in methods
+    ]
     shape = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim}
     timings = [time_selection(c, **shape, batch=batch, repeats=repeats) for c in configs]
     console.print(timing_table(timings, window, buffer, shape, batch))
