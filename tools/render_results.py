@@ -323,9 +323,22 @@ GOODPUT_SCALE = Path("goodput-scale")  # the same workload at the 16x pool and a
 def _goodput_scale(page: Page) -> str:
     """docs/results/goodput.md: the main cells at other pools and concurrencies, each
     ratio to vLLM in the same pool, concurrency and repeat."""
+    return _goodput_cells(page, page.data / GOODPUT_SCALE)
+
+
+GOODPUT_LAZY = Path("goodput-lazy")  # lazy retention against single-stage, in one run
+
+
+@renderer("goodput-lazy")
+def _goodput_lazy(page: Page) -> str:
+    """docs/results/goodput.md: lazy retention served, each ratio to vLLM in the same repeat."""
+    return _goodput_cells(page, page.data / GOODPUT_LAZY)
+
+
+def _goodput_cells(page: Page, folder: Path) -> str:
+    """Every (pool, concurrency, system) cell of a goodput run folder, one row each."""
     from kvllm.bench.goodput_report import summarize
 
-    folder = page.data / GOODPUT_SCALE
     lines = [
         "| pool | C | system | statements right / Full KV's | stopped | goodput / vLLM [min-max] "
         "| output tok/s / vLLM | chain / Full KV's | preemptions | rounds' share (max) |",
@@ -544,6 +557,34 @@ def _equal_memory(page: Page, folder: Path) -> str:
 
 
 renderer("accuracy-equal-memory")(partial(_equal_memory, folder=REFERENCE))
+
+#: Lazy retention and kara-retain on the second model, reference-forced, each in its own
+#: folder (a cell's key holds no lazy knobs): the label their cells take here.
+LAZY_FOLDERS = {
+    "kara+lazy2": REFERENCE / "6l-lazy",
+    "kara-retain": REFERENCE / "6l-retain",
+    "kara-retain+lazy2": REFERENCE / "6l-retain-lazy",
+}
+
+
+@renderer("accuracy-lazy-equal-memory")
+def _lazy_equal_memory(page: Page) -> str:
+    """Lazy retention and kara-retain against Kara at the same r, and against the paper's
+    four baselines at equal memory, on both families of the second model (issue 41)."""
+    cols = _columns(page, {"6l": REFERENCE / "6l"}, "reference-forced")
+    for label, folder in LAZY_FOLDERS.items():
+        for extra in _columns(page, {"6l": folder}, "reference-forced"):
+            col = next(c for c in cols if c.label == extra.label)
+            col.cells.update({(label, r): cell for (m, r), cell in extra.cells.items() if m != FULL})
+    parts = []
+    for label in LAZY_FOLDERS:
+        parts.append(f"**`{label}`** minus Kara at the same r, then minus each baseline at equal memory:\n")
+        rows = side_by_side.difference_table(cols, ["kara"], RETENTIONS, reference=label)
+        rows += equal_memory_table(cols, BASELINES, RETENTIONS, reference=label)[2:]
+        parts.append("\n".join(rows) + "\n")
+    return "\n".join(parts) + page.source(*(page.data / f for f in LAZY_FOLDERS.values()))
+
+
 renderer("accuracy-equal-memory-v1")(partial(_equal_memory, folder=REFERENCE_V1))
 
 
