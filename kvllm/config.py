@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from kvllm.checks import check_choice, check_int, check_number, fail
 from kvllm.methods.base import MethodParams, available, method_class
+from kvllm.methods.lazy import LazyRound
 
 PolicyName = Literal["periodic", "threshold"]
 POLICIES: tuple[str, ...] = ("periodic", "threshold")
@@ -157,6 +158,10 @@ class CompressionConfig:
     def lazy_first(self) -> int:
         """Slots a lazy round keeps of its window at first: min(W, F * m); m when not lazy."""
         return min(self.window, self.lazy * self.budget)
+
+    def lazy_round(self, candidates: int) -> LazyRound:
+        """What a lazy round keeps when its area opens with ``candidates`` of the last round's."""
+        return LazyRound(candidates, self.budget, self.lazy_first, self.lazy_keep)
 
     @cached_property
     def method_params(self) -> MethodParams:

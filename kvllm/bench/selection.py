@@ -12,7 +12,7 @@ from rich.table import Table
 
 from kvllm.config import CompressionConfig
 from kvllm.methods import Window, build
-from kvllm.methods.lazy import LazyRound, lazy_select
+from kvllm.methods.lazy import lazy_select
 from kvllm.methods.rope import Rope
 
 
@@ -74,9 +74,8 @@ def time_selection(
     )
     method = build(config)
     if n:
-        plan = LazyRound(n, config.budget, config.lazy_first, config.lazy_keep)
         carried = torch.randn(batch, layers, kv_heads, n, generator=gen)
-        times = _timed(lambda: lazy_select(method, window, plan, carried), repeats)
+        times = _timed(lambda: lazy_select(method, window, config.lazy_round(n), carried), repeats)
     else:
         times = _timed(lambda: method.select(window, config.budget), repeats)
     label = f"{config.method}+lazy{config.lazy}" if n else config.method

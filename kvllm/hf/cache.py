@@ -26,7 +26,7 @@ from kvllm.config import CompressionConfig
 from kvllm.generation import SeqStats
 from kvllm.hf.compaction import compact
 from kvllm.methods import Method, Selection, Window, build, stream_seed
-from kvllm.methods.lazy import LazyRound, lazy_select
+from kvllm.methods.lazy import lazy_select
 from kvllm.methods.rope import Rope
 from kvllm.policy import Region, SeqState, build_policy
 
@@ -238,8 +238,8 @@ class CompressingCache(Cache):
         cfg = self.compression
         if cfg.lazy == 1:
             return self.method.select(window, region.budget)
-        plan = LazyRound(region.candidates, cfg.budget, cfg.lazy_first, cfg.lazy_keep)
-        selection, self.carry = lazy_select(self.method, window, plan, self.carry if region.candidates else None)
+        carried = self.carry if region.candidates else None
+        selection, self.carry = lazy_select(self.method, window, cfg.lazy_round(region.candidates), carried)
         return selection
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

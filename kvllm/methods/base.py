@@ -226,14 +226,34 @@ class Method(ABC):
         raise NotImplementedError(f"method {self.name!r} ranks by no single window score")
 
     def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
-        """:meth:`select` and the :meth:`scores` it ranked by. A method whose selection
-        computes those scores overrides this, so that lazy retention scores a window once."""
+        """:meth:`select` and the :meth:`scores` it ranked by (a :class:`ScoredMethod`
+        computes them once)."""
         return self.select(window, budget), self.scores(window)
 
     @classmethod
     def has_scores(cls) -> bool:
         """Whether the method defines :meth:`scores`."""
         return cls.scores is not Method.scores
+
+
+class ScoredMethod(Method):
+    """A method that ranks the compressible area by one score, :meth:`scores`, and keeps
+    what :meth:`choose` picks from it: the score is computed once, and lazy retention
+    carries it (:meth:`select_scored`)."""
+
+    @abstractmethod
+    def scores(self, window: Window) -> Tensor: ...
+
+    @abstractmethod
+    def choose(self, scores: Tensor, budget: int) -> Selection:
+        """Keep ``budget`` keys (on average) of the area ``scores`` ``[B, L, Hkv, C]`` rank."""
+
+    def select(self, window: Window, budget: int) -> Selection:
+        return self.select_scored(window, budget)[0]
+
+    def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
+        scores = self.scores(window)
+        return self.choose(scores, budget), scores
 
 
 _REGISTRY: dict[str, type[Method]] = {}

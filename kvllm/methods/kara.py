@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from kvllm.checks import check_int, check_number
-from kvllm.methods.base import FIELD, Method, MethodParams, Selection, Window, register
+from kvllm.methods.base import FIELD, MethodParams, ScoredMethod, Selection, Window, register
 from kvllm.methods.scoring import attention_scores, topk_sorted
 from kvllm.methods.token2chunk import token2chunk
 
@@ -61,7 +61,7 @@ class KaraParams(MethodParams):
 
 
 @register
-class Kara(Method):
+class Kara(ScoredMethod):
     name = "kara"
     Params = KaraParams
     causal = False
@@ -69,13 +69,9 @@ class Kara(Method):
     def scores(self, window: Window) -> Tensor:
         return attention_scores(window, causal=self.causal)[..., : window.n_compress]
 
-    def select(self, window: Window, budget: int) -> Selection:
-        return self.select_scored(window, budget)[0]
-
-    def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
+    def choose(self, scores: Tensor, budget: int) -> Selection:
         p = self.params
-        scores = self.scores(window)
-        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap)), scores
+        return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
 
 
 @register
@@ -85,18 +81,14 @@ class KaraCausal(Kara):
 
 
 @register
-class KaraTopK(Method):
+class KaraTopK(ScoredMethod):
     name = "kara-topk"
 
     def scores(self, window: Window) -> Tensor:
         return attention_scores(window, causal=False)[..., : window.n_compress]
 
-    def select(self, window: Window, budget: int) -> Selection:
-        return self.select_scored(window, budget)[0]
-
-    def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
-        scores = self.scores(window)
-        return Selection(topk_sorted(scores, min(budget, window.n_compress))), scores
+    def choose(self, scores: Tensor, budget: int) -> Selection:
+        return Selection(topk_sorted(scores, min(budget, scores.shape[-1])))
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ development seeds (docs/results/accuracy.md, "Selections that try to close the g
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -91,26 +92,22 @@ def lazy_select(method: Method, window: Window, plan: LazyRound, carried: Tensor
     n = plan.candidates
     new = window
     if n:
-        new = Window(
-            queries=window.queries,
+        new = dataclasses.replace(
+            window,
             keys=window.keys[..., n:, :],
             n_compress=window.n_compress - n,
-            seeds=window.seeds,
             positions=None if window.positions is None else tuple(p + n for p in window.positions),
             values=None if window.values is None else window.values[..., n:, :],
-            rope=window.rope,
         )
     if plan.keep > 0:
         selection, scores = method.select_scored(new, plan.first)
+        carry = zscore(scores).gather(-1, selection.indices)
     else:
         selection = method.select(new, plan.first)
+        carry = selection.indices.new_empty(*selection.indices.shape[:-1], 0, dtype=torch.float32)
     if selection.valid is not None:
         raise ValueError(f"lazy retention needs a uniform method; {method.name!r} varies its counts")
     indices = selection.indices
-    if plan.keep > 0:
-        carry = zscore(scores).gather(-1, indices)
-    else:
-        carry = indices.new_empty(*indices.shape[:-1], 0, dtype=torch.float32)
     if n:
         # Every query is later than every candidate, so the later reads are these columns.
         later = zscore(attention_scores(window, causal=False)[..., :n])

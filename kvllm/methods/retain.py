@@ -33,7 +33,7 @@ from typing import Any
 from torch import Tensor
 
 from kvllm.checks import check_number, fail
-from kvllm.methods.base import FIELD, Method, Selection, Window, register
+from kvllm.methods.base import FIELD, ScoredMethod, Selection, Window, register
 from kvllm.methods.kara import KaraParams
 from kvllm.methods.qfilter import check_signature, load_calibration
 from kvllm.methods.scoring import attention_scores, topk_sorted, zscore
@@ -94,7 +94,7 @@ def retaining_scores(window: Window, weights: Tensor) -> Tensor:
 
 
 @register
-class KaraRetain(Method):
+class KaraRetain(ScoredMethod):
     name = "kara-retain"
     Params = RetainParams
     reads_key_positions = True
@@ -123,14 +123,10 @@ class KaraRetain(Method):
         kara = attention_scores(window, causal=False)[..., : window.n_compress]
         return (1 - p.mix) * zscore(kara) + p.mix * zscore(retaining_scores(window, weights))
 
-    def select(self, window: Window, budget: int) -> Selection:
-        return self.select_scored(window, budget)[0]
-
-    def select_scored(self, window: Window, budget: int) -> tuple[Selection, Tensor]:
+    def choose(self, scores: Tensor, budget: int) -> Selection:
         p = self.params
-        scores = self.scores(window)
         if p.token2chunk:
             # Token2Chunk sums endpoint scores over a gap's length: they must not be negative.
-            shifted = scores - scores.amin(dim=-1, keepdim=True)
-            return Selection(token2chunk(shifted, budget, p.rho, p.beta, p.max_gap)), scores
-        return Selection(topk_sorted(scores, min(budget, window.n_compress))), scores
+            scores = scores - scores.amin(dim=-1, keepdim=True)
+            return Selection(token2chunk(scores, budget, p.rho, p.beta, p.max_gap))
+        return Selection(topk_sorted(scores, min(budget, scores.shape[-1])))

@@ -43,7 +43,7 @@ from vllm.v1.worker.block_table import MultiGroupBlockTable
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from kvllm.methods import Selection, Window, build
-from kvllm.methods.lazy import LazyRound, lazy_select
+from kvllm.methods.lazy import lazy_select
 from kvllm.methods.rope import Rope
 from kvllm.vllm import paged
 from kvllm.vllm.capture import LAYER_ATTR, QueryRing, StepCapture
@@ -253,9 +253,8 @@ class CompressingCPUModelRunner(CPUModelRunner):
         if config.lazy == 1:
             return method.select(window, budget)
         n = group[0].region.candidates  # one count per group: it sets the area's size
-        plan = LazyRound(n, config.budget, config.lazy_first, config.lazy_keep)
         carried = torch.stack([self.kv_carry[c.req_id] for c in group]) if n and config.lazy_keep > 0 else None
-        selection, carry = lazy_select(method, window, plan, carried)
+        selection, carry = lazy_select(method, window, config.lazy_round(n), carried)
         for c, row in zip(group, carry, strict=True):
             self.kv_carry[c.req_id] = row
         return selection
