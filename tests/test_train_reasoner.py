@@ -151,3 +151,49 @@ def test_bad_flags_fail_at_start_naming_the_range(
     with pytest.raises(SystemExit):
         train_reasoner.main()
     assert message in capsys.readouterr().err
+
+
+def test_far_key_mask_hides_only_old_generated_keys_and_is_causal() -> None:
+    length, prompt = 40, 10
+    labels = torch.full((3, length), -100)
+    labels[:, prompt:] = 1
+    mask = torch.ones(3, length, dtype=torch.long)
+    mask[2, 30:] = 0  # padding
+    gen = torch.Generator().manual_seed(0)
+    keep = train_reasoner.far_key_mask(labels, mask, 1.0, 0.0, (5, 5), gen)[:, 0]
+    assert keep.shape == (3, length, length) and keep.dtype == torch.bool
+    q, k = torch.meshgrid(torch.arange(length), torch.arange(length), indexing="ij")
+    # Never a later key, a padding key, a prompt key or one of the newest 5.
+    assert not (keep & (k > q)).any() and not keep[2, :, 30:].any()
+    near = (k <= q) & ((q - k < 5) | (k < prompt))
+    assert keep[:2][:, near].all()
+    # A hidden key stays hidden from every later query: eviction, not noise.
+    for row in keep[:2]:
+        hidden = ~row & (k <= q)
+        for key in hidden.any(0).nonzero().flatten().tolist():
+            assert not row[key + 5 :, key].any()
+    # Rates are drawn up to 1, so some far generated key is hidden; at 0, only causality remains.
+    assert not keep[:2][:, (q - k >= 5) & (k >= prompt)].all()
+    none = train_reasoner.far_key_mask(labels, mask, 0.0, 0.0, (5, 5), gen)[:, 0]
+    assert torch.equal(none[:2], (k <= q).expand(2, -1, -1))
+
+
+def test_far_key_mask_without_drops_gives_the_plain_forward() -> None:
+    path = model_path()
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    model = Qwen3ForCausalLM.from_pretrained(path).eval()
+    model.config._attn_implementation = "sdpa"
+    task = make_task("trace", 1_000_005)
+    ids = torch.tensor([tok(task.text)["input_ids"]] * 2)
+    mask = torch.ones_like(ids)
+    mask[1, -7:] = 0
+    labels = ids.clone()
+    labels[:, : len(tok(task.prompt)["input_ids"])] = -100
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+        full = model(input_ids=ids, attention_mask=train_reasoner.far_key_mask(labels, mask, 0.0, 0.0, (8, 8), gen))
+        dropped = model(input_ids=ids, attention_mask=train_reasoner.far_key_mask(labels, mask, 0.9, 0.0, (8, 8), gen))
+    real = mask.bool()
+    assert torch.allclose(full.logits[real], plain[real], atol=1e-4)
+    assert not torch.allclose(dropped.logits[real], plain[real], atol=1e-2)

@@ -358,6 +358,41 @@ def _make_batches(seed: int, budgets: tuple[int, int], fixed: dict, level, pairs
         queue.put(tuple(t.numpy() for t in batch))
 
 
+def far_key_mask(
+    labels: torch.Tensor,
+    mask: torch.Tensor,
+    rate: float,
+    clean: float,
+    window: tuple[int, int],
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """A 4D attention mask (``(batch, 1, T, T)``, True where a query reads a key) in which
+    each sequence has lost a random share of its generated keys older than a window.
+
+    The robustness change of ``kara-reasoner-6l`` v3, and no compression method's: per
+    sequence, a rate is drawn uniformly from ``[0, rate]`` (0 for a ``clean`` share of
+    the sequences, which keeps Full KV's contexts in the mix) and a window from
+    ``window``; each generated key is dropped with that rate, and a dropped key is hidden
+    from every query at least the window after it, as an evicted key is from all later
+    decoding steps. The prompt (before the first label) and the newest ``window`` keys
+    are never hidden, as a round never touches the prompt or the protected tail. A model
+    trained only on complete contexts learned a stop that fails when a part of the far
+    context is gone, while it survives losing all of it (``docs/models.md``, v2).
+    """
+    batch, length = labels.shape
+    labelled = labels != -100
+    start = torch.where(labelled.any(1), labelled.int().argmax(1), length)
+    rates = torch.rand(batch, generator=generator) * rate
+    rates[torch.rand(batch, generator=generator) < clean] = 0.0
+    windows = torch.randint(window[0], window[1] + 1, (batch,), generator=generator)
+    pos = torch.arange(length)
+    dropped = (torch.rand(batch, length, generator=generator) < rates[:, None]) & (pos >= start[:, None])
+    distance = pos[:, None] - pos[None, :]  # query minus key
+    far = distance[None] >= windows[:, None, None]
+    keep = (distance >= 0)[None] & mask.bool().cpu()[:, None, :] & ~(dropped[:, None, :] & far)
+    return keep[:, None]
+
+
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy, the mean over the labelled tokens weighted by ``weight``
     (one per label); with weights of 1, the plain mean that ``transformers`` computes
@@ -505,6 +540,20 @@ def main() -> None:
     p.add_argument("--qk-init", type=float, default=1.0, help="initial weight of Qwen3's q/k RMSNorms")
     p.add_argument("--log-every", type=float, default=60.0, help="seconds between log lines")
     p.add_argument("--save-every", type=float, default=0.0, help="minutes between snapshots (0: at the end)")
+    p.add_argument(
+        "--drop-far",
+        type=float,
+        default=0.0,
+        help="most share of generated keys older than a window hidden from later queries (0: off; far_key_mask)",
+    )
+    p.add_argument(
+        "--drop-clean", type=float, default=0.3, help="share of sequences with no key hidden, under --drop-far"
+    )
+    p.add_argument(
+        "--drop-window",
+        default="32,192",
+        help="LO,HI: the range of the per-sequence window of newest keys that --drop-far never hides",
+    )
     args = p.parse_args()
     families = tuple(f.strip() for f in args.families.split(",") if f.strip())
     unknown = sorted(set(families) - set(FAMILIES))
@@ -514,6 +563,16 @@ def main() -> None:
         p.error(f"--workers {args.workers} is invalid: must be >= 0")
     if not 0.0 <= args.shuffle_names <= 1.0:
         p.error(f"--shuffle-names {args.shuffle_names} is invalid: must be in [0, 1]")
+    if not 0.0 <= args.drop_far <= 1.0:
+        p.error(f"--drop-far {args.drop_far} is invalid: must be in [0, 1]")
+    if not 0.0 <= args.drop_clean <= 1.0:
+        p.error(f"--drop-clean {args.drop_clean} is invalid: must be in [0, 1]")
+    try:
+        drop_window = tuple(int(v) for v in args.drop_window.split(","))
+    except ValueError:
+        drop_window = ()
+    if len(drop_window) != 2 or not 1 <= drop_window[0] <= drop_window[1]:
+        p.error(f"--drop-window {args.drop_window!r} is invalid: must be LO,HI with 1 <= LO <= HI")
 
     tok = (
         build_tokenizer(args.vocab, args.seed, families, args.op)
@@ -554,6 +613,8 @@ def main() -> None:
         shuffle=args.shuffle_names,
     )
     digit_ids, name_ids = digit_ids.to(args.device), name_ids.to(args.device)
+    # Its own generator: the batches' data stays that of a run without --drop-far.
+    drop_gen = torch.Generator().manual_seed(args.seed)
     # bf16 on a GPU (its matrix units); fp32 on the CPU, where bf16 matmuls are emulated.
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=torch.device(args.device).type == "cuda")
     budget = args.minutes * 60
@@ -608,8 +669,13 @@ def main() -> None:
             level = max(level, min(1.0, progress / args.floor_until))
         batch = batches.next(level, pairs if warming else None)
         input_ids, labels, mask, copy, end, answer = (t.to(args.device, non_blocking=True) for t in batch)
+        if args.drop_far:
+            attention = far_key_mask(labels, mask, args.drop_far, args.drop_clean, drop_window, drop_gen)
+            attention = attention.to(args.device, non_blocking=True)
+        else:
+            attention = mask
         with autocast:
-            out = model(input_ids=input_ids, attention_mask=mask)
+            out = model(input_ids=input_ids, attention_mask=attention)
         weight = 1 + (args.copy_weight - 1) * copy + (args.end_weight - 1) * end + (args.answer_weight - 1) * answer
         loss = weighted_loss(out.logits, labels, weight)
         opt.zero_grad(set_to_none=True)
