@@ -13,6 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    GPTJConfig,
     LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -22,7 +23,7 @@ from transformers import (
 )
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<think>", "</think>"]
-ARCHITECTURES = ("qwen3", "qwen2", "llama")
+ARCHITECTURES = ("qwen3", "qwen2", "llama", "gptj")
 
 
 def _corpus(n: int, seed: int) -> list[str]:
@@ -61,7 +62,9 @@ def model_config(
     kv_heads: int = 2,
     head_dim: int = 16,
 ) -> PretrainedConfig:
-    """A small config of ``arch`` (qwen3, qwen2 or llama) with GQA ``heads:kv_heads``."""
+    """A small config of ``arch`` (qwen3, qwen2 or llama) with GQA ``heads:kv_heads``; or of
+    gptj, whose RoPE rotates interleaved pairs (no GQA: ``kv_heads`` and ``head_dim`` unused,
+    the head is ``hidden_size / heads`` and all of it rotates)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -81,6 +84,19 @@ def model_config(
         return Qwen2Config(**common)
     if arch == "llama":
         return LlamaConfig(head_dim=head_dim, **common)
+    if arch == "gptj":
+        return GPTJConfig(
+            vocab_size=vocab_size,
+            n_positions=4096,
+            n_embd=hidden_size,
+            n_layer=layers,
+            n_head=heads,
+            rotary_dim=hidden_size // heads,
+            n_inner=2 * hidden_size,
+            pad_token_id=0,
+            eos_token_id=1,
+            bos_token_id=1,
+        )
     raise ValueError(f"arch={arch!r} is invalid: must be one of {', '.join(ARCHITECTURES)}")
 
 

@@ -172,6 +172,9 @@ class Method(ABC):
     #: is true only of an uncompressed span: the periodic policy's, not the threshold
     #: policy's, whose span holds compacted history.
     reads_key_positions: ClassVar[bool] = False
+    #: Whether it un-rotates keys or queries with the model's RoPE table (``Window.rope``),
+    #: which only a neox-style RoPE gives (kvllm/vllm/rope_support.py).
+    reads_rope: ClassVar[bool] = False
     #: The method's parameter dataclass.
     Params: ClassVar[type[MethodParams]] = MethodParams
 

@@ -119,6 +119,7 @@ def leverage_scores(window: Window, sketch_dimension: int) -> Tensor:
 @register
 class Compactor(Method):
     name = "compactor"
+    reads_rope = True
     Params = CompactorParams
     reads_key_positions = True
 

@@ -134,6 +134,7 @@ def expected_attention(window: Window, n_future_positions: int, use_covariance: 
 @register
 class ExpectedAttention(Method):
     name = "expected-attention"
+    reads_rope = True
     Params = ExpectedAttentionParams
 
     @property

@@ -96,6 +96,7 @@ def retaining_scores(window: Window, weights: Tensor) -> Tensor:
 @register
 class KaraRetain(ScoredMethod):
     name = "kara-retain"
+    reads_rope = True
     Params = RetainParams
     reads_key_positions = True
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
-from kvllm.vllm.settings import KEY, engine_config, request_config
+from kvllm.vllm.settings import KEY, ModelCheck, engine_config, request_config
 
 
 class RequestError(VLLMValidationError, ValueError):
@@ -25,10 +25,13 @@ class RequestError(VLLMValidationError, ValueError):
     callers can catch it as the ``ValueError`` the rest of KvLLM raises."""
 
 
-def check_request(base: Any, request: Any, min_prompt_tokens: int = 0) -> None:
+def check_request(base: Any, request: Any, min_prompt_tokens: int = 0, model_check: ModelCheck | None = None) -> None:
     """Raise :class:`RequestError` if the engine request ``request`` cannot be served as asked.
 
-    ``base`` is the engine-wide config (``None``: compression not configured).
+    ``base`` is the engine-wide config (``None``: compression not configured);
+    ``model_check``, when given, checks a request's own config against the served model
+    (a method that needs a RoPE table the runner cannot read, a calibration file of
+    another model): a round of it would otherwise fail in the worker.
     """
     # A prompt of embeddings has no ids, and a streaming-input session's requests are
     # pieces of one prompt (vLLM closes a session with a one-token sentinel): no guard.
@@ -46,6 +49,8 @@ def check_request(base: Any, request: Any, min_prompt_tokens: int = 0) -> None:
         return
     try:
         config = request_config(base, params.extra_args)
+        if config is not None and config is not base and model_check is not None:
+            model_check(config)
     except ValueError as err:
         raise RequestError(str(err), parameter=KEY) from err
     if config is not None and getattr(request, "resumable", False):
@@ -68,9 +73,10 @@ def install() -> None:
     def process_inputs(self: InputProcessor, *args: Any, **kwargs: Any) -> Any:
         request = original(self, *args, **kwargs)
         if not hasattr(self, "_kvllm_checks"):  # read once per engine
-            self._kvllm_checks = (engine_config(self.vllm_config.additional_config), _min_prompt_tokens())
-        base, min_prompt_tokens = self._kvllm_checks
-        check_request(base, request, min_prompt_tokens)
+            config = self.vllm_config
+            self._kvllm_checks = (engine_config(config.additional_config), _min_prompt_tokens(), ModelCheck.of(config))
+        base, min_prompt_tokens, model_check = self._kvllm_checks
+        check_request(base, request, min_prompt_tokens, model_check)
         return request
 
     process_inputs._kvllm = True  # type: ignore[attr-defined]

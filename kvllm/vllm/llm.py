@@ -8,7 +8,7 @@ from typing import Any
 from kvllm.config import CompressionConfig
 from kvllm.generation import Generation, SeqStats
 from kvllm.vllm import engine
-from kvllm.vllm.settings import KEY, check_parallel, engine_kwargs, request_config, worker_ranks
+from kvllm.vllm.settings import KEY, ModelCheck, check_parallel, engine_kwargs, request_config, worker_ranks
 
 
 class LLM:
@@ -36,17 +36,19 @@ class LLM:
         engine.bind_cpu_threads(worker_ranks(kwargs))
         self.compression = compression
         self.llm = vllm.LLM(model, **kwargs)
+        self.model_check = ModelCheck.of(self.llm.llm_engine.vllm_config)
 
     def generate(self, prompts: Sequence[Any], sampling_params: Any = None, **kwargs: Any) -> list[Any]:
         """``vllm.LLM.generate``; each output also gets ``.compression`` (a stats dict or None).
 
         Per-request overrides go in ``SamplingParams.extra_args={"kvllm": {...}}`` and
-        are validated here, before anything is submitted.
+        are validated here, against the served model too, before anything is submitted.
         """
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
         for p in params:
-            if p is not None:
-                request_config(self.compression, p.extra_args)
+            if p is not None and (config := request_config(self.compression, p.extra_args)) is not None:
+                if config is not self.compression:
+                    self.model_check(config)
         outputs = self.llm.generate(prompts, sampling_params, **kwargs)
         for out in outputs:
             out.compression = (out.kv_transfer_params or {}).get(KEY)

@@ -40,7 +40,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "tokens_dropped": ("counter", "KV slots removed by compression"),
     "blocks_freed": ("counter", "KV blocks returned to the pool by compression"),
     "compress_seconds": ("counter", "Worker time spent compressing"),
-    "rounds_refused": ("counter", "Compression rounds not run because they would rewrite a shared or cached KV block"),
+    "rounds_refused": (
+        "counter",
+        "Compression rounds not run because they would rewrite a shared or cached KV block, or that failed",
+    ),
     # Counted where the scheduler preempts; vllm:num_preemptions_total misses requests
     # aborted before their next output, which never deliver the event (docs/guide/serving.md).
     "preemptions": ("counter", "Requests preempted by the compressing scheduler (vLLM's scheduler too)"),

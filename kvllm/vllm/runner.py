@@ -24,6 +24,7 @@ would get wrong.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import defaultdict
 from typing import Any
@@ -49,6 +50,8 @@ from kvllm.vllm import paged
 from kvllm.vllm.capture import LAYER_ATTR, QueryRing, StepCapture
 from kvllm.vllm.plan import Compaction, StepPlan
 from kvllm.vllm.settings import engine_config
+
+logger = logging.getLogger(__name__)
 
 
 class PhysicalBlockTable(MultiGroupBlockTable):
@@ -85,6 +88,8 @@ class CompressingCPUModelRunner(CPUModelRunner):
         self.kv_rope: Rope | None = None
         # Lazy retention: each request's newest candidates' stage-one scores, for its next round.
         self.kv_carry: dict[str, torch.Tensor] = {}
+        # Requests whose round failed this step, and why: for the scheduler (sample_tokens).
+        self.kv_failed: dict[str, str] = {}
 
     # -- setup ---------------------------------------------------------------------
     def _kv_setup(self) -> None:
@@ -215,10 +220,50 @@ class CompressingCPUModelRunner(CPUModelRunner):
     def _compact_group(
         self, group: list[Compaction], n_compress: int, span: int, n_queries: int, budget: int, config: Any
     ) -> None:
-        """One selection for every request of the group; each layer read and written once."""
+        """One selection for every request of the group; each layer read and written once.
+
+        The scheduler freed the round's blocks when it planned it, so the rewrite must run
+        whatever happens to the selection. A selection that raises (a method that cannot
+        run on this model, a bad calibration file, a bug) keeps the area's newest slots
+        instead, what StreamingLLM would keep there, and the scheduler hears of it: the
+        round is counted refused and the request compresses no more. Every other request
+        of the step, and the engine, go on as if nothing happened.
+        """
+        bs = self.cache_config.block_size
+        tables = [torch.tensor(self.requests[c.req_id].block_ids[0], dtype=torch.long) for c in group]
+        try:
+            kept = self._selection(group, tables, n_compress, span, n_queries, budget, config)
+        except Exception as err:  # contained to the group's requests, and reported
+            ids = [c.req_id for c in group]
+            logger.warning("requests %s: compression round failed, newest slots kept: %r", ids, err)
+            for req_id in ids:
+                self.kv_failed[req_id] = repr(err)
+                self.kv_carry.pop(req_id, None)
+            kept = self._newest(len(group), n_compress, budget)
+        if self.kv_tp_size > 1:  # this rank's KV heads, in vLLM's contiguous split
+            local = kept.shape[2] // self.kv_tp_size
+            kept = kept[:, :, self.kv_tp_rank * local : (self.kv_tp_rank + 1) * local]
+        self._rewrite(group, kept, tables, bs)
+
+    def _newest(self, n_requests: int, n_compress: int, budget: int) -> torch.Tensor:
+        """``[B, L, Hkv, budget]``: each area's newest ``budget`` slots, as many as the scheduler keeps."""
+        heads = self.kv_layers[0].num_kv_heads * self.kv_tp_size
+        newest = torch.arange(n_compress - budget, n_compress)
+        return newest.expand(n_requests, len(self.kv_layers), heads, budget)
+
+    def _selection(
+        self,
+        group: list[Compaction],
+        tables: list[torch.Tensor],
+        n_compress: int,
+        span: int,
+        n_queries: int,
+        budget: int,
+        config: Any,
+    ) -> torch.Tensor:
+        """The group's kept indices, ``[B, L, Hkv, m]`` over all KV heads."""
         bs = self.cache_config.block_size
         ring = self.kv_ring
-        tables = [torch.tensor(self.requests[c.req_id].block_ids[0], dtype=torch.long) for c in group]
         offsets = torch.arange(span)
         span_slots = torch.stack(
             [paged.slots_of(t, c.region.start + offsets, bs) for c, t in zip(group, tables, strict=True)]
@@ -241,11 +286,7 @@ class CompressingCPUModelRunner(CPUModelRunner):
             values=None if values is None else self._all_heads(values),
             rope=self.kv_rope,
         )
-        kept = self._select(group, method, window, budget, config).indices  # [B, L, Hkv, m]
-        if self.kv_tp_size > 1:  # this rank's KV heads, in vLLM's contiguous split
-            local = kept.shape[2] // self.kv_tp_size
-            kept = kept[:, :, self.kv_tp_rank * local : (self.kv_tp_rank + 1) * local]
-        self._rewrite(group, kept, tables, bs)
+        return self._select(group, method, window, budget, config).indices
 
     def _select(self, group: list[Compaction], method: Any, window: Window, budget: int, config: Any) -> Selection:
         """The group's selection; under lazy retention, with each request's carried scores
@@ -284,12 +325,12 @@ class CompressingCPUModelRunner(CPUModelRunner):
 
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = super().sample_tokens(grammar_output)
-        if self.kv_seconds and dataclasses.is_dataclass(out):
-            # Hand this step's compaction time to the scheduler (pickled back with the
-            # output). A copy: the output may be vLLM's shared empty singleton.
+        if (self.kv_seconds or self.kv_failed) and dataclasses.is_dataclass(out):
+            # Hand this step's compaction time and failed rounds to the scheduler (pickled
+            # back with the output). A copy: the output may be vLLM's shared empty singleton.
             out = dataclasses.replace(out)
-            out.kvllm_seconds = self.kv_seconds
-            self.kv_seconds = {}
+            out.kvllm_seconds, out.kvllm_failed = self.kv_seconds, self.kv_failed
+            self.kv_seconds, self.kv_failed = {}, {}
         return out
 
 

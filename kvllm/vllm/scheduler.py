@@ -30,7 +30,7 @@ from kvllm.policy import Policy, Region, SeqState, build_policy
 from kvllm.vllm import metrics
 from kvllm.vllm.admission import Footprint, admissible, project
 from kvllm.vllm.plan import Compaction, StepPlan
-from kvllm.vllm.settings import check_kv_cache, check_vllm_config, request_config
+from kvllm.vllm.settings import ModelCheck, check_kv_cache, check_vllm_config, request_config
 
 logger = logging.getLogger(__name__)
 DROPPED = "kvllm_dropped"
@@ -172,7 +172,8 @@ class CompressionTotals:
     """Engine-wide counters (exported as metrics)."""
 
     rounds: int = 0
-    # Rounds not run because they would have rewritten a shared or cached block.
+    # Rounds not run because they would have rewritten a shared or cached block, or that
+    # failed (in planning, or in the worker's selection); their requests compress no more.
     rounds_refused: int = 0
     preemptions: int = 0
     tokens_dropped: int = 0
@@ -186,6 +187,7 @@ class CompressingScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kv_config = check_vllm_config(self.vllm_config)
+        self.kv_model_check = ModelCheck.of(self.vllm_config)
         if self.kv_config is not None:
             check_kv_cache(self.kv_cache_config)
         self.kv_cache_manager.__class__ = PhysicalKVCacheManager
@@ -249,6 +251,8 @@ class CompressingScheduler(Scheduler):
             try:
                 params = request.sampling_params
                 config = request_config(self.kv_config, params.extra_args if params is not None else None)
+                if config is not None and config is not self.kv_config:
+                    self.kv_model_check(config)
             except ValueError as err:  # refused in the frontend (kvllm/vllm/frontend.py); never fail the engine
                 logger.warning("request %s: compression off: %s", request.request_id, err)
                 config = None
@@ -315,7 +319,11 @@ class CompressingScheduler(Scheduler):
             state = entry.state
             state.logical_length = request.num_computed_tokens
             state.length = request.num_computed_tokens - dropped
-            region = entry.policy.catch_up(state) if prefilling else entry.policy.plan(state)
+            try:
+                region = entry.policy.catch_up(state) if prefilling else entry.policy.plan(state)
+            except Exception as err:  # a failing round is contained to its request
+                self._refuse(f"request {request.request_id}: planning a compression round failed: {err!r}")
+                entry.policy, region = None, None
             if region is not None and not self._safe(request, region, state.length):
                 # The same region would be planned again at every period: this request
                 # compresses no more (its dropped slots stay dropped).
@@ -353,18 +361,32 @@ class CompressingScheduler(Scheduler):
         bad = unsafe_blocks(blocks, region.start, length - region.freed, self.block_size)
         if not bad:
             return True
-        message = (
+        self._refuse(
             f"request {request.request_id}: a round on slots [{region.start}, {length}) would rewrite "
             f"shared or cached blocks {bad}; not run"
         )
-        if os.environ.get(STRICT_ENV, "") not in ("", "0"):
-            raise AssertionError(message)
-        if not self.kv_totals.rounds_refused:
-            logger.warning("%s (logged once; kvllm:rounds_refused counts them)", message)
-        self.kv_totals.rounds_refused += 1
         return False
 
+    def _refuse(self, message: str) -> None:
+        """Count a round not run (or failed) as refused, and log it; raise under ``KVLLM_STRICT``.
+
+        Its request compresses no more: the caller turns its policy off. Each is logged,
+        naming the request: a refusal is an invariant tripped or a method that failed,
+        never routine.
+        """
+        if os.environ.get(STRICT_ENV, "") not in ("", "0"):
+            raise AssertionError(message)
+        logger.warning("%s; the request compresses no more (kvllm:rounds_refused counts these)", message)
+        self.kv_totals.rounds_refused += 1
+
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output: Any) -> Any:
+        failed: dict[str, str] = getattr(model_runner_output, "kvllm_failed", None) or {}
+        for req_id, why in failed.items():
+            # The worker kept the area's newest slots, so the blocks freed at planning
+            # stay right; the request goes on, uncompressed from here.
+            if (entry := self.kv_requests.get(req_id)) is not None:
+                entry.policy = None
+            self._refuse(f"request {req_id}: its compression round failed in the worker ({why}), newest slots kept")
         seconds: dict[str, float] = getattr(model_runner_output, "kvllm_seconds", None) or {}
         for req_id, s in seconds.items():
             self.kv_totals.seconds += s

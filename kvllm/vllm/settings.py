@@ -20,6 +20,7 @@ from typing import Any
 
 from kvllm.config import CompressionConfig
 from kvllm.methods import build, calibrated, method_class
+from kvllm.vllm.rope_support import rope_problem
 
 KEY = "kvllm"
 OVERRIDABLE = ("method", "retention", "params", "lazy", "lazy_keep", "off")
@@ -197,15 +198,43 @@ def check_kv_cache(kv_cache_config: Any) -> None:
 
 
 def check_model(config: CompressionConfig, hf_config: Any, tensor_parallel_size: int) -> None:
-    """The engine's method can run on its model: a calibration file is this model's, found
-    before any engine process starts rather than at the first round, in a worker."""
-    build(config).check_model(hf_config)
+    """``config``'s method can run on this model in vLLM: a calibration file is this model's,
+    and a method that un-rotates keys gets a RoPE table it can read. Checked for the
+    engine's config before any engine process starts, and for each request's override
+    where the request enters (:class:`ModelCheck`), rather than at a round, in a worker."""
+    method = build(config)
+    method.check_model(hf_config)
+    if method.reads_rope and (problem := rope_problem(hf_config)) is not None:
+        raise ValueError(
+            f"{KEY}.method={config.method!r} is invalid for this model: it scores keys before their RoPE "
+            f"rotation, and {problem}, which the vLLM runner cannot undo (it reads neox-style RoPE only); "
+            "use a method that reads no RoPE table, such as kara or snapkv"
+        )
     if calibrated(config.method) and tensor_parallel_size > 1:
         raise ValueError(
             f"{KEY}.method={config.method!r} is invalid with tensor_parallel_size={tensor_parallel_size}: its "
             "calibration file holds every KV head, and a rank's windows hold a share of them; use "
             "--tensor-parallel-size 1"
         )
+
+
+class ModelCheck:
+    """:func:`check_model` against one engine's model, remembered per method and parameters
+    that passed: a request's override is checked as it enters, and most repeat one."""
+
+    def __init__(self, hf_config: Any, tensor_parallel_size: int) -> None:
+        self.hf_config, self.tensor_parallel_size = hf_config, tensor_parallel_size
+        self.passed: set[tuple[str, str]] = set()
+
+    def __call__(self, config: CompressionConfig) -> None:
+        key = (config.method, json.dumps(config.params, sort_keys=True, default=str))
+        if key not in self.passed:
+            check_model(config, self.hf_config, self.tensor_parallel_size)
+            self.passed.add(key)
+
+    @classmethod
+    def of(cls, vllm_config: Any) -> ModelCheck:
+        return cls(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
 
 
 def worker_ranks(kwargs: dict[str, Any]) -> int:
