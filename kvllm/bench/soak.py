@@ -10,7 +10,7 @@ non-streaming request whose task is cancelled after a random delay). Half the pr
 start with a shared prefix: one of any length, or one a whole number of blocks long, and
 some prompts are exactly that block-aligned prefix. Prompts are prefilled in small
 chunks, so a chunk can end anywhere in a shared, cached prefix, one token short of it
-included (issue 40). Every request is drawn from one seeded stream, so a soak is
+included. Every request is drawn from one seeded stream, so a soak is
 reproducible up to timing.
 
 At the end it checks (:func:`checks`):
@@ -24,7 +24,10 @@ At the end it checks (:func:`checks`):
   requests complete, stays within ``rss_tolerance`` of its value at the end of warm-up;
 - **off equals vanilla**: every finished request with compression off wrote what vLLM's
   own server writes for it (the same prompt, greedy), replayed after the soak: shared
-  prefixes and rounds beside it must not change what it reads.
+  prefixes and rounds beside it must not change what it reads;
+- **no round refused**: KvLLM's server runs with ``KVLLM_STRICT=1``, so a round that
+  would rewrite a shared or cached block, or that fails, raises in the engine (which the
+  checks above then see), and ``kvllm:rounds_refused_total`` must stay 0.
 """
 
 from __future__ import annotations
@@ -287,7 +290,7 @@ GAUGES = {
     name.split(":")[1]: name
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:num_preemptions_total", "kvllm:kv_blocks_used", "kvllm:compression_rounds_total",
-                 "kvllm:blocks_freed_total")
+                 "kvllm:blocks_freed_total", "kvllm:rounds_refused_total")
 }  # fmt: skip
 
 
@@ -355,7 +358,9 @@ def checks(soak: Soak, outcomes: list[dict[str, Any]], idle: dict[str, float], s
         for name in [k for k in after[0] if k not in ("done", "time")]:
             series = [s[name] for s in after if name in s]
             growth[name] = round(max(series) / series[0] - 1, 4)
+    refused = {"no_round_refused": {"ok": idle["rounds_refused_total"] == 0}} if soak.system != "vanilla" else {}
     return {
+        **refused,
         "no_request_lost": {"ok": lost == 0, "lost": lost, "counts": dict(counts)},
         "every_block_back": {"ok": all(v == 0 for v in blocks.values()), **blocks},
         "rss_flat": {"ok": bool(growth) and all(g <= soak.rss_tolerance for g in growth.values()),
@@ -403,13 +408,16 @@ def run_soak(soak: Soak, tick: Callable[[str], None]) -> dict[str, Any]:
     from transformers import AutoConfig
 
     from kvllm.vllm.launch import start_server, stop, wait_healthy
+    from kvllm.vllm.scheduler import STRICT_ENV
 
     soak.out.mkdir(parents=True, exist_ok=True)
     vocab = AutoConfig.from_pretrained(soak.model).vocab_size
     requests = draw(soak, vocab)
     log = soak.out / "server.log"
     vanilla = soak.system == "vanilla"
-    env = {**os.environ, "VLLM_PLUGINS": "no-plugin"} if vanilla else None  # a name matching no plugin
+    # KvLLM's server runs strict: a round that would rewrite a shared or cached block, or
+    # that fails, raises in the engine instead of being refused, so it cannot pass unseen.
+    env = {**os.environ, **({"VLLM_PLUGINS": "no-plugin"} if vanilla else {STRICT_ENV: "1"})}
     process, base = start_server(soak.model, free_port(), soak.server_flags(), log=log, env=env, vllm=vanilla)
     try:
         try:
@@ -469,6 +477,11 @@ def write_report(report: dict[str, Any], out: Path) -> None:
         + ", ".join(f"{k} {v:+.1%}" for k, v in c["rss_flat"]["growth_after_warmup"].items())
         + " |",
         f"| server alive | {c['server_alive']['ok']} | |",
+        *(
+            [f"| no round refused (strict) | {c['no_round_refused']['ok']} | {idle['rounds_refused_total']:g} |"]
+            if "no_round_refused" in c
+            else []
+        ),
         *(
             [
                 f"| off requests equal vLLM's own | {c['off_equals_vanilla']['ok']} | "

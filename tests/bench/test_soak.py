@@ -89,6 +89,7 @@ def test_an_off_requests_text_is_kept_for_the_vanilla_replay() -> None:
 def test_verdicts_catch_a_lost_request_a_held_block_and_growing_memory(tmp_path: Path) -> None:
     soak = Soak(model="m", out=tmp_path, requests=4, warmup=0.5)
     idle = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0, "kv_blocks_used": 0}
+    idle["rounds_refused_total"] = 0
     flat = [{"done": d, "time": 0, "api-1": 100.0, "engine-2": 200.0} for d in range(1, 5)]
     good = [{"outcome": "finished"}, {"outcome": "cancelled"}, {"outcome": "rejected"}, {"outcome": "finished"}]
     assert all(v["ok"] for v in checks(soak, good, idle, flat).values())
@@ -99,6 +100,8 @@ def test_verdicts_catch_a_lost_request_a_held_block_and_growing_memory(tmp_path:
     growing = [{**s, "engine-2": 200.0 * (1 + 0.1 * s["done"])} for s in flat]
     rss = checks(soak, good, idle, growing)["rss_flat"]
     assert not rss["ok"] and rss["growth_after_warmup"]["engine-2"] > 0.1
+    # KvLLM's server runs strict, and a refused round fails the soak.
+    assert not checks(soak, good, {**idle, "rounds_refused_total": 1}, flat)["no_round_refused"]["ok"]
 
 
 @pytest.mark.parametrize(
