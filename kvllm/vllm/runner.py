@@ -49,7 +49,7 @@ from kvllm.methods.rope import Rope
 from kvllm.vllm import paged
 from kvllm.vllm.capture import LAYER_ATTR, QueryRing, StepCapture
 from kvllm.vllm.plan import Compaction, StepPlan
-from kvllm.vllm.settings import engine_config
+from kvllm.vllm.settings import check_kv_sharing, engine_config
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,11 @@ class CompressingCPUModelRunner(CPUModelRunner):
         self.kv_failed: dict[str, str] = {}
 
     # -- setup ---------------------------------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        if self.kv_config is not None:  # refused at start-up, not at the first round
+            check_kv_sharing(get_layers_from_vllm_config(self.vllm_config, Attention).values())
+
     def _kv_setup(self) -> None:
         """Ring buffers and layer handles, once the model and its caches exist."""
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)

@@ -166,6 +166,13 @@ def check_features(vllm_config: Any) -> None:
             f"pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size} (--pipeline-parallel-size)",
             "a round selects per layer on one rank; untested across pipeline stages; use 1",
         )
+    text = vllm_config.model_config.hf_config.get_text_config()
+    if getattr(text, "num_kv_shared_layers", 0):
+        refuse(
+            f"cross-layer KV sharing (num_kv_shared_layers={text.num_kv_shared_layers} in the model's config)",
+            "a round rewrites each layer's cache in place, and a shared one would be compacted once per layer "
+            "that reads it",
+        )
     isa = attention_isa(vllm_config)
     if isa not in READABLE_ISAS:
         refuse(
@@ -194,6 +201,26 @@ def check_kv_cache(kv_cache_config: Any) -> None:
             f"KV cache spec {type(spec).__name__}"
             f"{f' (window {windowed})' if windowed else ''} is not supported with KV compression: "
             "only full attention, whose slots hold physical tokens with no window of their own"
+        )
+
+
+def check_kv_sharing(layers: Any) -> None:
+    """Refuse cross-layer KV sharing: layers that read another layer's KV cache tensor.
+
+    A round rewrites each layer's cache in place, so a tensor that several layers read
+    would be compacted once per reader. The worker checks the loaded model's attention
+    layers (vLLM's ``kv_sharing_target_layer_name``), at start-up, before any request;
+    :func:`check_features` refuses the config fields that announce it earlier."""
+    shared = sorted(
+        f"{layer.layer_name} -> {target}"
+        for layer in layers
+        if (target := getattr(layer, "kv_sharing_target_layer_name", None)) is not None
+    )
+    if shared:
+        raise ValueError(
+            f"cross-layer KV sharing ({len(shared)} layers read another layer's KV cache, e.g. {shared[0]}) "
+            "is not supported with KV compression: a round rewrites each layer's cache in place, and a shared "
+            "one would be compacted once per layer that reads it"
         )
 
 

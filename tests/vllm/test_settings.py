@@ -433,3 +433,25 @@ def test_only_one_kv_cache_group_of_full_attention_is_accepted() -> None:
         check_kv_cache(layout(window))
     with pytest.raises(ValueError, match=r"FullAttentionSpec \(window 64\)"):
         check_kv_cache(layout(dataclasses.replace(full, sliding_window=64)))
+
+
+def test_cross_layer_kv_sharing_is_refused(tmp_path) -> None:
+    """Layers that read another layer's KV cache: announced by the config, refused where
+    vLLM builds the engine's config; and found in the loaded model by the worker."""
+    from types import SimpleNamespace
+
+    from kvllm.testing import save_tiny_model
+    from kvllm.vllm.settings import check_kv_sharing
+
+    model = save_tiny_model(tmp_path / "shared", seed=1, hidden_size=128, layers=2, heads=4, kv_heads=2, head_dim=32)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_kv_shared_layers": 1}))
+    with pytest.raises(ValueError, match=r"cross-layer KV sharing \(num_kv_shared_layers=1.* is not supported"):
+        _vllm_config(str(model))
+
+    def layer(name: str, target: str | None) -> SimpleNamespace:
+        return SimpleNamespace(layer_name=name, kv_sharing_target_layer_name=target)
+
+    check_kv_sharing([layer("layers.0.attn", None), layer("layers.1.attn", None)])
+    with pytest.raises(ValueError, match=r"1 layers read another layer's KV cache, e.g. layers.1.attn -> layers.0"):
+        check_kv_sharing([layer("layers.0.attn", None), layer("layers.1.attn", "layers.0.attn")])
