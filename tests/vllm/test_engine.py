@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -325,3 +326,33 @@ def test_two_engines_in_one_process_capture_into_their_own_rings(tiny_model: str
     for model in engines:
         got = [list(outputs[model][str(i)].outputs[0].token_ids) for i in range(4)]
         assert got == alone[model]
+
+
+def test_priority_scheduling_and_structured_outputs_run_with_compression(tiny_model: str) -> None:
+    """Two settings a client or an operator reaches: vLLM's priority scheduling (its
+    preemption order) and structured outputs (a grammar masks each step's logits). Under a
+    pool that preempts, every request compresses, obeys its grammar, and no block leaks;
+    keep-all requests write what vanilla vLLM writes under the same settings."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    settings = {"scheduling_policy": "priority", "num_gpu_blocks_override": 24}
+    prompts = PROMPTS[:8]
+    pattern = r"(yes|no)( (yes|no)){30,40}"
+    grammar = SamplingParams(max_tokens=240, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=pattern))
+    params = [grammar if i % 2 else greedy(160) for i in range(len(prompts))]
+    priority = [i % 3 for i in range(len(prompts))]
+    keep_all = greedy(120, extra_args={"kvllm": {"retention": 1.0}})
+    with engine(tiny_model, KARA, **settings) as llm:
+        outs = llm.generate(prompts, params, priority=priority)
+        keep = token_ids(llm.generate(prompts, [keep_all] * len(prompts), priority=priority))
+        sched = scheduler(llm)
+        assert block_pool_usage(sched)[0] == 0 and sched.kv_requests == {}
+        assert sched.kv_totals.preemptions > 0, "the pool should be small enough to preempt"
+    with engine(tiny_model, None, plugin=False, **settings) as llm:
+        vanilla = token_ids(llm.generate(prompts, greedy(120), priority=priority))
+    assert all(o.compression["compressions"] > 0 for o in outs)
+    for i, out in enumerate(outs):
+        if i % 2:
+            assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    assert keep == vanilla
