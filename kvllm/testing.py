@@ -121,3 +121,30 @@ def save_tiny_model(path: str | Path, arch: str = "qwen3", seed: int = 0, **shap
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def save_tiny_lora(path: str | Path, model: str | Path, rank: int = 4, seed: int = 0) -> Path:
+    """Write a random LoRA adapter (PEFT's format) on the q and v projections of the
+    model saved at ``model`` by :func:`save_tiny_model`."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = AutoConfig.from_pretrained(model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    widths = {"q_proj": config.num_attention_heads * head_dim, "v_proj": config.num_key_value_heads * head_dim}
+    adapter = {"r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(widths), "peft_type": "LORA"}
+    adapter |= {"base_model_name_or_path": str(model), "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
+    (path / "adapter_config.json").write_text(json.dumps(adapter))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for name, width in widths.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = 0.3 * torch.randn(rank, config.hidden_size, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = 0.3 * torch.randn(width, rank, generator=generator)
+    save_file(tensors, path / "adapter_model.safetensors")
+    return path

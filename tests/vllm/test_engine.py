@@ -356,3 +356,27 @@ def test_priority_scheduling_and_structured_outputs_run_with_compression(tiny_mo
         if i % 2:
             assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
     assert keep == vanilla
+
+
+@pytest.mark.slow
+def test_lora_requests_compress_and_keep_all_equals_vanilla(tiny_model: str, tmp_path) -> None:
+    """A LoRA adapter changes the queries and keys a round scores: with one, Kara runs its
+    rounds, and keep-all writes what vanilla vLLM writes with the same adapter (and not
+    what it writes without it). In make test-slow: LoRA engines take minutes to start here."""
+    from vllm.lora.request import LoRARequest
+
+    from kvllm.testing import save_tiny_lora
+
+    lora = LoRARequest("random", 1, str(save_tiny_lora(tmp_path / "adapter", tiny_model)))
+    settings = {"enable_lora": True, "max_lora_rank": 8}
+    prompts = PROMPTS[:4]
+    with engine(tiny_model, KARA, **settings) as llm:
+        kara = llm.generate(prompts, greedy(120), lora_request=lora)
+        keep = token_ids(
+            llm.generate(prompts, greedy(120, extra_args={"kvllm": {"retention": 1.0}}), lora_request=lora)
+        )
+    with engine(tiny_model, None, plugin=False, **settings) as llm:
+        vanilla = token_ids(llm.generate(prompts, greedy(120), lora_request=lora))
+        base = token_ids(llm.generate(prompts, greedy(120)))
+    assert all(o.compression["compressions"] > 0 for o in kara)
+    assert keep == vanilla and vanilla != base
