@@ -11,7 +11,10 @@ the stop survives when those T tokens are computed without the keys. With T = W 
 (160, the default) this is the protected tail after a round that dropped them; with
 T = 1 it is the deciding query alone.
 
-    python tools/stop_ablation.py [N] [T]
+    python tools/stop_ablation.py [N] [T] [MODEL]
+
+``MODEL`` is a shipped model's name or a model folder (default ``kara-reasoner-6l``);
+Full KV's chains are kept per model weights.
 
 The subsets (``far``: the generated keys before the last T tokens, what a round may drop):
 
@@ -35,16 +38,20 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from kvllm.assets import model_path
 from kvllm.cli.evaluate import family_difficulty
-from kvllm.cli.options import trained_op
+from kvllm.cli.options import model_path, trained_op
 from kvllm.eval import lookup
 from kvllm.eval.bound import KINDS, PLACES, token_roles
+from kvllm.eval.grid import model_fingerprint
 from kvllm.eval.problems import task_problems
 from kvllm.eval.tasks import END_THINK
 
 DEV_SEEDS = 100_000  # the first development seed (kvllm eval --dev-seeds)
-CHAINS = Path(tempfile.gettempdir()) / "kvllm-stop-ablation-chains.json"  # Full KV's chains, kept between runs
+
+
+def chains_file(model) -> Path:
+    """Where Full KV's chains of ``model`` are kept between runs: named by its weights."""
+    return Path(tempfile.gettempdir()) / f"kvllm-stop-ablation-chains-{model_fingerprint(model)[:16]}.json"
 
 
 def full_chain(model, prompt: list[int], cap: int, eos: int) -> list[int]:
@@ -143,20 +150,21 @@ def subsets(roles: torch.Tensor, prompt_len: int, ids: list[int], tokenizer, tai
     return out
 
 
-def main(n: int, tail: int) -> None:
-    path = model_path("kara-reasoner-6l")
+def main(n: int, tail: int, name: str = "kara-reasoner-6l") -> None:
+    path = model_path(Path(name))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     difficulty = family_difficulty("reason", None, None, 0.5, trained_op(path))
     problems = task_problems("reason", n, difficulty, tokenizer, first_seed=DEV_SEEDS)
     end = tokenizer.convert_tokens_to_ids(END_THINK)
     table: dict[str, list[float]] = {}
-    chains = json.loads(CHAINS.read_text()) if CHAINS.exists() else {}
+    chains_path = chains_file(model)
+    chains = json.loads(chains_path.read_text()) if chains_path.exists() else {}
     for problem in problems:
         prompt = tokenizer(problem.prompt)["input_ids"]
         if str(problem.uid) not in chains:
             chains[str(problem.uid)] = full_chain(model, prompt, problem.max_new_tokens, tokenizer.eos_token_id)
-            CHAINS.write_text(json.dumps(chains))
+            chains_path.write_text(json.dumps(chains))
         chain = chains[str(problem.uid)]
         if end not in chain:
             print(f"seed {problem.uid}: Full KV did not stop; skipped")
@@ -181,4 +189,4 @@ def main(n: int, tail: int) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main(int(args[0]) if args else 8, int(args[1]) if len(args) > 1 else 160)
+    main(int(args[0]) if args else 8, int(args[1]) if len(args) > 1 else 160, *args[2:3])
