@@ -69,7 +69,8 @@ def evaluate(
         typer.Option(help="A method parameter, KEY=VALUE for every method or METHOD:KEY=VALUE for one (repeatable)."),
     ] = None,
     calibration: Annotated[
-        Path | None, typer.Option(help="The model's `kvllm calibrate` file, for the methods that read one (qfilter).")
+        Path | None,
+        typer.Option(help="The model's `kvllm calibrate` file, for the methods that read one (kara-retain, qfilter)."),
     ] = None,
     teacher_forced: Annotated[
         bool, typer.Option(help="Force Full KV's completions through each method (methods oracle and bound allowed).")

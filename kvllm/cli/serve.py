@@ -34,7 +34,8 @@ def serve(
     kv_lazy_keep: LazyKeep = D.lazy_keep,
     kv_param: Param = None,
     kv_calibration: Annotated[
-        str | None, typer.Option(help="The model's `kvllm calibrate` file, for --kv-compression qfilter.")
+        str | None,
+        typer.Option(help="The model's `kvllm calibrate` file, for the methods that read one (kara-retain, qfilter)."),
     ] = None,
     kv_admission: Annotated[
         str, typer.Option(help="vllm (vLLM's rule) or projected (no preemption among compressing requests).")
