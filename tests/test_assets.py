@@ -3,7 +3,7 @@
 Regression guards against a broken model file or tokenizer, with floors set below what
 each model measured (its card and ``docs/results/accuracy.md``): the default model reads values
 back (teacher-forced) and answers held-out prompt-needle tasks with Full KV; the second
-model (issue 22) has another shape, reads back the reason family's own chains, and
+model (kara-reasoner-6l) has another shape, reads back the reason family's own chains, and
 writes its own chains of its own operator (shift) and stops at their end.
 """
 
@@ -67,7 +67,7 @@ def test_model_files_and_card(name: str) -> None:
     assert "python tools/train_reasoner.py" in card and "exact match" in card
 
 
-def test_second_model_has_issue_22s_other_shape() -> None:
+def test_second_model_has_another_shape() -> None:
     """At least 6 layers, head_dim >= 64, another GQA ratio, >= 4,096 positions, under 20 MB."""
     first, second = (json.loads((model_path(n) / "config.json").read_text()) for n in (DEFAULT_MODEL, SECOND_MODEL))
     assert second["num_hidden_layers"] >= 6 > first["num_hidden_layers"]

@@ -35,7 +35,7 @@ def test_a_model_is_a_directory_or_a_shipped_name(tiny: Path, tmp_path: Path, mo
 
     assert DEFAULT_MODEL in shipped()
     assert model_path(None) == model_path(Path(DEFAULT_MODEL)) == shipped_path()
-    # Issue 22's second model, by name as `kvllm eval --model kara-reasoner-6l` gives it.
+    # The second shipped model, by name as `kvllm eval --model kara-reasoner-6l` gives it.
     assert model_path(Path("kara-reasoner-6l")) == shipped_path("kara-reasoner-6l") != shipped_path()
     assert model_path(tiny) == tiny
     # A local directory of a shipped model's name is the one meant.

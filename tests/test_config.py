@@ -57,7 +57,7 @@ def test_threshold_budget_must_exceed_window_under_threshold_policy() -> None:
 
 def test_a_method_that_reads_every_keys_position_is_refused_under_the_threshold_policy() -> None:
     """A threshold round's span holds compacted history, whose keys are not at
-    consecutive positions: compactor would un-rotate them at wrong ones (issue 40)."""
+    consecutive positions: compactor would un-rotate them at wrong ones."""
     with pytest.raises(ValueError, match=r"policy='threshold' is invalid: method 'compactor' reads every key"):
         CompressionConfig(method="compactor", policy="threshold", threshold_budget=512)
     CompressionConfig(method="compactor")  # its windows are uncompressed spans

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The shipped tiny model's accuracy grid (docs/results/accuracy.md, issue 14), on the held-out test seeds 0-63.
+# The shipped tiny model's accuracy grid (docs/results/accuracy.md), on the held-out test seeds 0-63.
 # Resumable: rerun to continue where it stopped. The baselines' knobs are the ones
 # tools/dev_sweep.py chose on development seeds (docs/appendix/accuracy-record.md, "Tuning record").
 #   tools/accuracy_grid.sh [OUT] [STAGE...]   stages: tf frontier free recall methods23 (default: all)
-# methods23 writes to M23 (docs/results/data/accuracy/tiny-trace-more-methods): issue 23's methods, teacher-forced at
+# methods23 writes to M23 (docs/results/data/accuracy/tiny-trace-more-methods): the further methods, teacher-forced at
 # W=128, b=32, at their reference defaults (test/) and at the knobs the development sweep
 # chose (tuned/). Only trace: the shipped model was never trained on reason (docs/results/accuracy.md).
 set -euo pipefail

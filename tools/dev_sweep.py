@@ -1,8 +1,8 @@
-"""Every knob variant tried, on development seeds only: the tuning record of issues 14, 22 and 23.
+"""Every knob variant tried, on development seeds only: the accuracy record's "Tuning record".
 
 Teacher-forced (every method sees Full KV's tokens, so a difference is the selection),
 trace, 48 steps, 8 constants, at one retention, on the shipped model; or, with
-``--model M --family reason --mode reference-forced --variants second-model``, issue 22's
+``--model M --family reason --mode reference-forced --variants second-model``, the
 sweep of the paper's baselines and Kara on another model and family (every method sees
 the tasks' own chains). Each variant runs as its own
 ``kvllm eval`` cell (the grid's code: same cache, policy, rounds, grading) in
@@ -71,7 +71,7 @@ VARIANTS: list[Variant] = [
     *at("snapkv", {"obs_window": 96, "pool_kernel": 3}),
     # kara-late (docs/design.md), after the observation window mattered for SnapKV.
     *at("kara-late", {}, {"obs_window": 32}, {"obs_window": 96}, {"obs_window": 128}),
-    # Issue 23: the best value-aware Kara's knobs, beside the kvpress scorer it trails.
+    # The best value-aware Kara's knobs, beside the kvpress scorer it trails.
     *at("kara-vpool", {}, {"pool_kernel": 1}, {"pool_kernel": 5}, {"pool_kernel": 7}),
     *at("kara-vpool", {"rho": 0.25}, {"rho": 0.75}, {"max_gap": 4}, {"max_gap": 32}, {"beta": 0.0}),
     # Its second round: the two knobs that helped, together, and rho=1 (every top token an endpoint).
@@ -81,7 +81,7 @@ VARIANTS: list[Variant] = [
     *at("kara-vpool", {"pool_kernel": 5, "rho": 0.75, "max_gap": 4}, {"pool_kernel": 9, "rho": 0.75, "max_gap": 4}),
     *at("kara-vpool", {"pool_kernel": 7, "rho": 1.0}),
     *at("noncausal-attn", {}),
-    # Issue 23's other methods with knobs, each default first (non-modal criterion).
+    # The further methods with knobs, each default first (non-modal criterion).
     # knorm, keydiff, tova, noncausal-attn and qfilter have none.
     *at("lagkv", {}, {"lag_size": 16}, {"lag_size": 64}),
     *at("compactor", {}, {"blending": 0.0}, {"blending": 0.3}, {"sketch_dimension": 96}),
@@ -95,7 +95,7 @@ VARIANTS: list[Variant] = [
 ]
 
 
-# Issue 22: the single knobs of the paper's baselines and Kara from the first rounds
+# The second model: the single knobs of the paper's baselines and Kara from the first rounds
 # above, and the pairs that won there, fixed before any of them ran on the second model.
 SECOND_MODEL_VARIANTS: list[Variant] = [
     *at("kara", *KARA_KNOBS, {"rho": 0.75, "max_gap": 4}),

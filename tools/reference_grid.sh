@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 22's grid: both models x both families, reference-forced (kvllm eval
+# The side-by-side grid: both models x both families, reference-forced (kvllm eval
 # --reference-forced: each task's own chain of thought forced through every cache), every
 # method at its reference defaults, on the held-out test seeds 0-63. Resumable: rerun to
 # continue where it stopped; a rerun on the stored cells runs none.
 #   tools/reference_grid.sh [OUT] [STAGE...]   stages: r02 tuned reason trace frontier bound (default: all, in that order)
 # Models, both shipped: tiny = kara-reasoner-tiny (4 layers, head_dim 32, 6/2 heads); 6l =
-# kara-reasoner-6l, issue 22's second model (6 layers, head_dim 64, 8/2 heads; its card).
+# kara-reasoner-6l, the second model (6 layers, head_dim 64, 8/2 heads; its card).
 # The tiny model was never trained on reason: its reason cell is Full KV alone, to show it
 # (docs/guide/evaluation.md, "The reason family").
 set -euo pipefail
@@ -58,7 +58,7 @@ for stage in $STAGES; do
           run "$SIXL" 6l "${flags[@]}" -- --window "$w" --buffer "$b" --method "$FRONTIER" --retention 0.05,0.2,0.5
         done
       done ;;
-    bound)  # issue 41: the reachable bound (the grammar, not the future) beside the oracle, and the
+    bound)  # the reachable bound (the grammar, not the future) beside the oracle, and the
       # learned kara-retain with the model's shipped file, on the realistic column at r=0.2
       run "$SIXL" 6l "${REASON[@]}" -- --method bound,kara-retain --retention 0.2 \
         --calibration kvllm/assets/kara-reasoner-6l/calibration/kara-retain.safetensors ;;

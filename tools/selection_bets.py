@@ -1,4 +1,4 @@
-"""Development-seed check of the selection bets of issue 41: lazy two-stage retention and
+"""Development-seed check of two selection bets: lazy two-stage retention and
 merging dropped values into kept ones, around any registered method.
 
 - **lazy (F)**: the registered lazy retention (:mod:`kvllm.methods.lazy`,

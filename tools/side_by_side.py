@@ -1,4 +1,4 @@
-"""Issue 22's side-by-side tables (docs/results/accuracy.md) from tools/reference_grid.sh's folders.
+"""The side-by-side tables (docs/results/accuracy.md) from tools/reference_grid.sh's folders.
 
     python tools/side_by_side.py [ROOT] [--mode reference-forced] > ROOT/side-by-side.md
 

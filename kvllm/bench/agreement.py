@@ -7,7 +7,7 @@ retention, window and buffer under the periodic policy, ``kvllm eval``'s only on
 so where the two engines compute the same thing they write the same chain, up to the
 shorter of their two token caps; where they do not, the statement grades must still
 agree within their paired interval, or the selection depends on the scheduler, which is
-a bug (issue 43).
+a bug.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from kvllm.eval.stats import paired_ratio, wilson
 from kvllm.plots import save_figure
 
 # A system keeps Full KV's accuracy when both its statements right and its stopped right
-# are at least this share of the baseline's (issue 43's bar: answers alone can rise
+# are at least this share of the baseline's (answers alone can rise
 # under compression, so they are reported, not required).
 ISO_ACCURACY = 0.98
 SPEEDS = ("statements_right_s", "answers_right_s", "tok_s")

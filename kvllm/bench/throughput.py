@@ -26,14 +26,14 @@ from kvllm.config import CompressionConfig
 
 SYSTEMS: tuple[str, ...] = (
     "vanilla-default",  # vLLM as a user starts it: prefix caching on
-    "vanilla",  # vLLM with prefix caching off, as KvLLM had to run before #24
+    "vanilla",  # vLLM with prefix caching off, as KvLLM had to run before it supported prefix caching
     "plugin-off",  # KvLLM's scheduler and runner, no compression
     "kara",  # Kara, periodic policy, vLLM's admission rule: what `kvllm serve` runs by default
     "kara-projected",  # Kara, periodic policy, projected admission (`kvllm serve --kv-admission projected`)
     "snapkv-periodic",  # SnapKV's scoring under Kara's policy, projected admission: policy vs scoring
     "snapkv-threshold",  # SnapKV's scoring under the threshold policy, projected admission
 )
-# Until #24, `kara` named projected admission and `kara-vllm-admit` vLLM's rule.
+# Before commit 2e08d1f, `kara` named projected admission and `kara-vllm-admit` vLLM's rule.
 UNCOMPRESSED: tuple[str, ...] = ("vanilla-default", "vanilla", "plugin-off")
 VANILLA: tuple[str, ...] = ("vanilla-default", "vanilla")  # vLLM without the plugin
 # Room for the prompts (137-155 tokens at prompt_steps=8 with the shipped tokenizer).
@@ -192,7 +192,7 @@ def _engine(spec: Spec) -> Any:
         num_gpu_blocks_override=e.pool_blocks,
         # Enough for the workload: the pool may hold more than the model's positions.
         max_model_len=min(e.max_model_len, spec.workload.longest + PROMPT_MARGIN),
-        # vLLM's default everywhere but `vanilla`; KvLLM's rows stored before #24's prefix
+        # vLLM's default everywhere but `vanilla`; KvLLM's rows stored before it supported prefix
         # caching were measured with it off (docs/results/throughput.md).
         enable_prefix_caching=spec.system != "vanilla",
         enforce_eager=True,

@@ -15,7 +15,7 @@ A cell runs in one of three modes:
   the generator) is forced instead. Every read is then of a value the arithmetic really
   produced (a model that cannot add, or writes ``00`` everywhere, cannot lower the
   floor), and a model is graded only on what compression endangers: reading a value back.
-  This is how a model whose free chains go astray (issue 22's second model) still
+  This is how a model whose free chains go astray (``kara-reasoner-6l`` v1) still
   serves as a testbed, and it needs no free cell.
 
 Only the forced modes can run the ``oracle`` selector (:mod:`kvllm.eval.oracle`); the

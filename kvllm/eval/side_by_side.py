@@ -1,4 +1,4 @@
-"""Issue 22's side-by-side tables: model x family x method, from several ``kvllm eval`` folders.
+"""The side-by-side tables: model x family x method, from several ``kvllm eval`` folders.
 
 Each folder holds one model's cells (``kvllm eval --model ... --out FOLDER``); each of its
 families becomes a column, labelled ``model / family``. Four tables come out:
@@ -6,7 +6,7 @@ families becomes a column, labelled ``model / family``. Four tables come out:
 - every method's generated-read fidelity at one retention, with memory held;
 - Kara minus each baseline on the same problems, at every retention (paired bootstrap);
 - the same at equal memory: against the baseline's best cell that holds no more (claim (b));
-- issue 22's target (a) for Kara: its fidelity and recall as shares of Full KV's (paired
+- claim (a)'s target for Kara: its fidelity and recall as shares of Full KV's (paired
   bootstrap), and the memory it held.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from kvllm.eval.grid import FULL, CellResult, load_results
 from kvllm.eval.stats import bootstrap_ratio, paired_difference, paired_ratio
 
-#: Issue 22, target (a): at r=0.2, free or forced, Kara keeps this share of Full KV's
+#: Claim (a)'s target: at r=0.2, free or forced, Kara keeps this share of Full KV's
 #: generated-read fidelity and of its recall, holding at most this share of the KV.
 FIDELITY_SHARE, RECALL_SHARE, HELD = 0.98, 0.95, 0.30
 #: Equal memory, for claim (b): a baseline cell holding at most this much more of the

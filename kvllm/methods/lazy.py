@@ -1,6 +1,6 @@
 """Lazy two-stage retention: a window keeps more, and the next window's queries cut it.
 
-Beyond the paper (issue 41; docs/design.md, "Lazy retention"). A periodic round scores a
+Beyond the paper (docs/design.md, "Lazy retention"). A periodic round scores a
 window by its own queries, yet a key is worth keeping for the attention of queries that
 come after the window, which no window query shows. Lazy retention lets the next
 window vote without leaving the sliding-window design:

@@ -297,7 +297,7 @@ class CompressingScheduler(Scheduler):
             # The prompt is protected, whatever chunk boundaries or prefix hits brought the
             # request here: it is counted from the request, never inferred from what was
             # computed (a chunk that ends one token short of the prompt leaves a one-token
-            # step that looks like decoding; issue 40).
+            # step that looks like decoding, and its round rewrote a cached prompt block).
             state = SeqState(prompt_len=request.num_prompt_tokens)
             entry = RequestCompression(config, None if config is None else build_policy(config), state)
             self.kv_requests[request.request_id] = entry

@@ -1,4 +1,4 @@
-"""Issue 22's side-by-side tables on crafted cells: columns, differences, target (a)."""
+"""The side-by-side tables on crafted cells: columns, differences, claim (a)'s target."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The baselines' budget rules and defaults, checked against their references (issue #12)."""
+"""The baselines' budget rules and defaults, checked against their references."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_pyramid_budgets_sum_to_layers_times_m(n_layers: int, cap: int, share: f
         assert ((per_layer - exact).abs() < 1 + 1e-9).all()
 
 
-def test_pyramid_budgets_match_the_issue_examples() -> None:
+def test_pyramid_budgets_at_the_edges() -> None:
     assert pyramid_budgets(8, 1, 20.0, 128).tolist() == [1] * 8
     per_layer = pyramid_budgets(8, 100, 20.0, 128)
     assert int(per_layer.sum()) == 800 and int(per_layer.max()) == 128

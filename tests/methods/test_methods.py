@@ -412,7 +412,7 @@ def test_kara_twoway_token_without_a_query_gives_nothing() -> None:
     assert _pick("kara-twoway", window, 1) == [[2]]
 
 
-# ------------------------------------------- the value- and RoPE-aware scorers (#23)
+# ------------------------------------------------ the value- and RoPE-aware scorers
 
 
 def _carrying(keys: torch.Tensor, queries: torch.Tensor, n_compress: int, **fields: object) -> Window:

@@ -298,7 +298,7 @@ def test_bad_compression_values_fail_before_the_engine() -> None:
 
 def test_two_engines_in_one_process_capture_into_their_own_rings(tiny_model: str, tmp_path) -> None:
     """Capture state belongs to an engine: two in-process engines, stepped in turn, give
-    what each gives alone (issue 40)."""
+    what each gives alone."""
     from kvllm.testing import save_tiny_model
     from kvllm.vllm.capture import LAYER_ATTR
     from tests.vllm.conftest import SHAPE

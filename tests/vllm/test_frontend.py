@@ -1,4 +1,4 @@
-"""Requests refused where vLLM's frontend builds them, whichever way they came (issue 40)."""
+"""Requests refused where vLLM's frontend builds them, whichever way they came."""
 
 from __future__ import annotations
 

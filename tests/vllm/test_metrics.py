@@ -52,7 +52,7 @@ def test_a_torn_record_is_never_read(tmp_path: Path) -> None:
 
 
 def test_records_of_engines_gone_without_closing_are_never_summed(tmp_path: Path) -> None:
-    """An engine dropped without shutdown, and one whose process died (issue 40)."""
+    """An engine dropped without shutdown, and one whose process died."""
     import gc
     import subprocess
     import sys

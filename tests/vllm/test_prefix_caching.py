@@ -103,7 +103,7 @@ def _compress_then_follow(llm: Any, follow: Any) -> list[list[int]]:
 def test_a_chunk_ending_one_token_short_of_the_prompt_never_rewrites_its_cached_blocks(tiny_model: str) -> None:
     """A chunk that ends at P - 1 leaves one prompt token for a one-token step, which
     looks like decoding; the prompt's last slot must stay protected all the same, or the
-    round rewrites a hashed prompt block that B then reads (issue 40)."""
+    round rewrites a hashed prompt block that B then reads."""
     with engine(tiny_model, None, plugin=False, **CHUNKED) as vanilla:
         expected = _compress_then_follow(vanilla, greedy(60))
     with engine(tiny_model, KARA, **CHUNKED) as llm:
@@ -116,7 +116,7 @@ def test_a_recomputed_request_never_matches_cached_blocks_past_its_prompt(tiny_m
     """Requests with compression off cache their generated blocks. A compressing request
     recomputed after preemption, with the same prompt and the same tokens (keep-all
     writes vanilla's), would match them and its catch-up rounds would rewrite them: its
-    hit is capped at its prompt's full blocks (issue 40)."""
+    hit is capped at its prompt's full blocks."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     from kvllm.vllm.scheduler import CONFIG, RECOMPUTE

@@ -1,4 +1,4 @@
-"""Randomized differential test of the scheduler (issue 40), in the spirit of vLLM's own
+"""Randomized differential test of the scheduler, in the spirit of vLLM's own
 correctness tests.
 
 Each example draws a workload from a seeded generator: prompts that share prefixes of

@@ -1,5 +1,5 @@
 """The scheduler's shared-block invariant: a round rewrites only blocks its request alone
-holds, unhashed (issue 40), checked before every round."""
+holds, unhashed, checked before every round."""
 
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def test_bad_override_gets_400(server: str, tiny_model: str, override: object, m
 
 def test_a_bad_override_through_vllm_xargs_gets_400(server: str, tiny_model: str) -> None:
     """vLLM's own field, past the middleware: refused where the frontend builds the request,
-    not run uncompressed with a warning in the log (issue 40)."""
+    not run uncompressed with a warning in the log."""
     import json
 
     body = {"model": tiny_model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}

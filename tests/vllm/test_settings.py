@@ -215,7 +215,7 @@ def _served_argv(monkeypatch: pytest.MonkeyPatch, cli_args: list[str], share: fl
 @pytest.mark.parametrize(
     ("cli_args", "model"),
     [
-        # The README's serving line with [MODEL] left out, and the two failures.
+        # The README's serving line with [MODEL] left out, and two lines that once failed.
         (["serve", "--kv-compression", "kara", "--kv-retention", "0.2", "--dtype", "float32", "--port", "8000"], None),
         (["serve", "--port", "8000"], None),
         (["serve", "--dtype", "float32", "--gpu-memory-utilization", "0.4", "--port", "8013"], None),
@@ -267,7 +267,7 @@ def _node(total_gib: float, free_gib: float) -> object:
 @pytest.mark.parametrize(
     ("total", "free", "ranks", "expected"),
     [
-        (13.21, 11.75, 1, 0.69),  # the machine: 0.92 asks 12.16 GiB of 11.75 free
+        (13.21, 11.75, 1, 0.69),  # a node where vLLM's default failed: 0.92 asks 12.16 GiB of 11.75 free
         (13.21, 11.75, 2, 0.34),  # two workers on the one node share it
         (8.46, 7.9, 1, 0.68),  # a smaller machine: the API server there took 0.9 GiB before the worker's check
         (26.42, 26.0, 1, None),  # 0.92 fits beside the start-up reserve: vLLM's default stays

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 22's Full-KV bars on held-out (test) seeds, free-running, hf backend.
+# The second model's Full-KV bars on held-out (test) seeds, free-running, hf backend.
 # Run from the repository root.
 M=${1:-/tmp/r3/stage3}
 O=${2:-/tmp/r3}

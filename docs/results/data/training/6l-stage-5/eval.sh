@@ -1,5 +1,5 @@
 #!/bin/bash
-# Full KV bars of issue 22 on held-out (test) seeds, free-running, hf backend, with the
+# The second model's Full-KV bars on held-out (test) seeds, free-running, hf backend, with the
 # shift operator the stage was trained on. Run from the repository root.
 M=${1:-/tmp/r5/stage5b}
 O=${2:-/tmp/r5}

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Stage 5 of the second model (issue 22), on the shift operator (kvllm.eval.tasks.OPS):
+# Stage 5 of the second model (kara-reasoner-6l), on the shift operator (kvllm.eval.tasks.OPS):
 # the same programs, with results a model that cannot add can compute.
 #   5a (the probe): drills only, from stage 3, 4 minutes, then 6 more.
 #   5b: the four families with the shift, from 5a.

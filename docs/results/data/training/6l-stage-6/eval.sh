@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 22's Full-KV bars on held-out (test) seeds, free-running, hf backend, with the
+# The second model's Full-KV bars on held-out (test) seeds, free-running, hf backend, with the
 # shift operator stage 6 was trained on (stage 5's eval.sh, for stage 6). Run from the
 # repository root.
 M=${1:-/tmp/r6/stage6}

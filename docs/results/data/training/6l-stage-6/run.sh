@@ -1,5 +1,5 @@
 #!/bin/bash
-# Stage 6 of the second model (issue 22): stage 5b's command started from stage 3
+# Stage 6 of the second model (kara-reasoner-6l): stage 5b's command started from stage 3
 # (kara-reasoner-6l v1, which reads the prompt at 1.000 on add tasks) instead of the
 # drill-only 5a, so the shift operator is learned from drills mixed with the tasks and the
 # recall examples from the first step, and the lookups keep training. Prepared for 60

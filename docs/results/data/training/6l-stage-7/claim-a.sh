@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 22's claim (a), free-running, on stage 7 (which meets the trace and gen-needle
+# Claim (a), free-running, on stage 7 (which meets the trace and gen-needle
 # bars and misses reason's: Full KV 0.962 on 16 seeds): reason, the 64 test seeds, r=0.2
 # against Full KV, W=128 b=32 P=16, every method at its reference defaults; SnapKV and
 # PyramidKV for (b) free-running beside it. Run from the repository root.

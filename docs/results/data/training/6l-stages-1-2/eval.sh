@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 22's Full-KV bars on held-out (test) seeds, free-running, hf backend.
+# The second model's Full-KV bars on held-out (test) seeds, free-running, hf backend.
 # Run from the repository root.
 M=${1:-/tmp/r2/stage2}
 .venv/bin/kvllm eval --model $M --out /tmp/r2/eval-trace --family trace,gen-needle --steps 48 --n 16 --method kara --retention 1.0 > /tmp/r2/eval-trace.log 2>&1

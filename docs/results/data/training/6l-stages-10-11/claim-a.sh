@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 22's claim (a), free-running, on the shipped kara-reasoner-6l v2 (stage 11a, which
+# Claim (a), free-running, on the shipped kara-reasoner-6l v2 (stage 11a, which
 # meets the three Full-KV bars): reason, the 64 test seeds, r=0.2 against Full KV,
 # W=128 b=32 P=16, Kara and the paper's four baselines at their reference defaults
 # (claim (b) free-running beside it). The tasks' operator comes from the model

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Stages 10a and 10b of the second model (issue 22), both at once on one H200 GPU, in one
+# Stages 10a and 10b of the second model (kara-reasoner-6l), both at once on one H200 GPU, in one
 # call of at most 15 minutes (the machine's start included). Both continue stage 7
 # (stage 8's checkpoint was lost) with stage 8's --copy-weight 4 and an --end-weight of
 # 10, on 32,768-token batches (stage 8: 4,096) made by 6 worker processes each, in bf16

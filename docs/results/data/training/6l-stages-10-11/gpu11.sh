@@ -1,5 +1,5 @@
 #!/bin/bash
-# Stages 11a and 11b of the second model (issue 22), at once on the same H200 in its
+# Stages 11a and 11b of the second model (kara-reasoner-6l), at once on the same H200 in its
 # last minutes: stages 10a and 10b (gpu.sh) continued for 2.5 minutes
 # with --answer-weight 10, each with its own flags otherwise (11b keeps 10b's
 # --shuffle-names 0.5). Both 10s follow reason's program and stop at its end, but

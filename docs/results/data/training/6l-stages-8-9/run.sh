@@ -1,5 +1,5 @@
 #!/bin/bash
-# Stage 8 of the second model (issue 22): stage 7 continued for 60 minutes
+# Stage 8 of the second model (kara-reasoner-6l): stage 7 continued for 60 minutes
 # with --copy-weight 4, its only change from stage 7's command. Teacher-forced on 8 test
 # seeds, stage 7 copied a reason statement's first operand name from the prompt right
 # only 0.46 of the time (the second 0.98; trace: 0.78 and 0.98), so its free chains left

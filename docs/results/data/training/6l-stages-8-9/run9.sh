@@ -1,5 +1,5 @@
 #!/bin/bash
-# Stage 9 of the second model (issue 22): stage 8 continued for 40 minutes with
+# Stage 9 of the second model (kara-reasoner-6l): stage 8 continued for 40 minutes with
 # --end-weight 30, its only change from stage 8's command. Stage 8 follows reason's
 # program to its last statement (teacher-forced first-operand copies 0.92, from 0.46),
 # but right after that statement it gives the line that ends the chain (" </think>",
