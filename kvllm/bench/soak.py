@@ -439,8 +439,10 @@ def run_soak(soak: Soak, tick: Callable[[str], None]) -> dict[str, Any]:
     finished = [o for o in result["outcomes"] if o.get("outcome") == "finished"]
     report = {
         # The model by its folder's name: a stored report names no path of the machine it ran on.
-        "soak": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(soak).items()},
-                 "model": Path(soak.model).name},  # fmt: skip
+        "soak": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(soak).items()},
+            "model": Path(soak.model).name,
+        },
         "seconds": round(seconds, 1),
         "ok": all(v["ok"] for v in verdicts.values()),
         "checks": verdicts,
