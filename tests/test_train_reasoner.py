@@ -160,9 +160,12 @@ def test_far_key_mask_hides_only_old_generated_keys_and_is_causal() -> None:
     mask = torch.ones(3, length, dtype=torch.long)
     mask[2, 30:] = 0  # padding
     gen = torch.Generator().manual_seed(0)
-    keep = train_reasoner.far_key_mask(labels, mask, 1.0, 0.0, (5, 5), gen)[:, 0]
+    keep, lost = train_reasoner.far_key_mask(labels, mask, 1.0, 0.0, (5, 5), gen)
+    keep = keep[:, 0]
     assert keep.shape == (3, length, length) and keep.dtype == torch.bool
     q, k = torch.meshgrid(torch.arange(length), torch.arange(length), indexing="ij")
+    # A sequence lost keys exactly when one of its real keys is hidden from a later query.
+    assert lost.tolist() == [bool((~keep[i] & (q >= k) & mask[i].bool()[None]).any()) for i in range(3)]
     # Never a later key, a padding key, a prompt key or one of the newest 5.
     assert not (keep & (k > q)).any() and not keep[2, :, 30:].any()
     near = (k <= q) & ((q - k < 5) | (k < prompt))
@@ -174,8 +177,8 @@ def test_far_key_mask_hides_only_old_generated_keys_and_is_causal() -> None:
             assert not row[key + 5 :, key].any()
     # Rates are drawn up to 1, so some far generated key is hidden; at 0, only causality remains.
     assert not keep[:2][:, (q - k >= 5) & (k >= prompt)].all()
-    none = train_reasoner.far_key_mask(labels, mask, 0.0, 0.0, (5, 5), gen)[:, 0]
-    assert torch.equal(none[:2], (k <= q).expand(2, -1, -1))
+    none, lost = train_reasoner.far_key_mask(labels, mask, 0.0, 0.0, (5, 5), gen)
+    assert torch.equal(none[:2, 0], (k <= q).expand(2, -1, -1)) and not lost.any()
 
 
 def test_far_key_mask_without_drops_gives_the_plain_forward() -> None:
@@ -192,8 +195,9 @@ def test_far_key_mask_without_drops_gives_the_plain_forward() -> None:
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask).logits
-        full = model(input_ids=ids, attention_mask=train_reasoner.far_key_mask(labels, mask, 0.0, 0.0, (8, 8), gen))
-        dropped = model(input_ids=ids, attention_mask=train_reasoner.far_key_mask(labels, mask, 0.9, 0.0, (8, 8), gen))
+        full = model(input_ids=ids, attention_mask=train_reasoner.far_key_mask(labels, mask, 0.0, 0.0, (8, 8), gen)[0])
+        hidden = train_reasoner.far_key_mask(labels, mask, 0.9, 0.0, (8, 8), gen)[0]
+        dropped = model(input_ids=ids, attention_mask=hidden)
     real = mask.bool()
     assert torch.allclose(full.logits[real], plain[real], atol=1e-4)
     assert not torch.allclose(dropped.logits[real], plain[real], atol=1e-2)

@@ -365,7 +365,7 @@ def far_key_mask(
     clean: float,
     window: tuple[int, int],
     generator: torch.Generator,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A 4D attention mask (``(batch, 1, T, T)``, True where a query reads a key) in which
     each sequence has lost a random share of its generated keys older than a window.
 
@@ -378,6 +378,9 @@ def far_key_mask(
     are never hidden, as a round never touches the prompt or the protected tail. A model
     trained only on complete contexts learned a stop that fails when a part of the far
     context is gone, while it survives losing all of it (``docs/models.md``, v2).
+
+    Returns the mask and which sequences lost keys (``[batch]`` bool): ``--drop-unscored``
+    puts no loss on their value digits and answer line, which may read a hidden key.
     """
     batch, length = labels.shape
     labelled = labels != -100
@@ -386,11 +389,12 @@ def far_key_mask(
     rates[torch.rand(batch, generator=generator) < clean] = 0.0
     windows = torch.randint(window[0], window[1] + 1, (batch,), generator=generator)
     pos = torch.arange(length)
-    dropped = (torch.rand(batch, length, generator=generator) < rates[:, None]) & (pos >= start[:, None])
+    real = mask.bool().cpu()
+    dropped = (torch.rand(batch, length, generator=generator) < rates[:, None]) & (pos >= start[:, None]) & real
     distance = pos[:, None] - pos[None, :]  # query minus key
     far = distance[None] >= windows[:, None, None]
-    keep = (distance >= 0)[None] & mask.bool().cpu()[:, None, :] & ~(dropped[:, None, :] & far)
-    return keep[:, None]
+    keep = (distance >= 0)[None] & real[:, None, :] & ~(dropped[:, None, :] & far)
+    return keep[:, None], (dropped[:, None, :] & far).flatten(1).any(1)
 
 
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -550,6 +554,12 @@ def main() -> None:
         "--drop-clean", type=float, default=0.3, help="share of sequences with no key hidden, under --drop-far"
     )
     p.add_argument(
+        "--drop-unscored",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="under --drop-far, no loss on the value digits and answer line of sequences that lost keys",
+    )
+    p.add_argument(
         "--drop-window",
         default="32,192",
         help="LO,HI: the range of the per-sequence window of newest keys that --drop-far never hides",
@@ -669,14 +679,19 @@ def main() -> None:
             level = max(level, min(1.0, progress / args.floor_until))
         batch = batches.next(level, pairs if warming else None)
         input_ids, labels, mask, copy, end, answer = (t.to(args.device, non_blocking=True) for t in batch)
+        blind = None
         if args.drop_far:
-            attention = far_key_mask(labels, mask, args.drop_far, args.drop_clean, drop_window, drop_gen)
+            attention, lost = far_key_mask(labels, mask, args.drop_far, args.drop_clean, drop_window, drop_gen)
             attention = attention.to(args.device, non_blocking=True)
+            if args.drop_unscored:  # what a sequence that lost keys may not see: its values and answer
+                blind = lost.to(args.device)[:, None] & (torch.isin(labels, digit_ids) | answer)
         else:
             attention = mask
         with autocast:
             out = model(input_ids=input_ids, attention_mask=attention)
         weight = 1 + (args.copy_weight - 1) * copy + (args.end_weight - 1) * end + (args.answer_weight - 1) * answer
+        if blind is not None:
+            weight = weight * ~blind
         loss = weighted_loss(out.logits, labels, weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
