@@ -201,3 +201,11 @@ def test_far_key_mask_without_drops_gives_the_plain_forward() -> None:
     real = mask.bool()
     assert torch.allclose(full.logits[real], plain[real], atol=1e-4)
     assert not torch.allclose(dropped.logits[real], plain[real], atol=1e-2)
+
+
+def test_weighted_loss_of_a_batch_with_no_weight_is_zero_not_nan() -> None:
+    logits = torch.randn(1, 4, 8, requires_grad=True)
+    labels = torch.tensor([[1, 2, 3, 4]])
+    loss = train_reasoner.weighted_loss(logits, labels, torch.zeros(1, 4))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()

@@ -400,11 +400,12 @@ def far_key_mask(
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy, the mean over the labelled tokens weighted by ``weight``
     (one per label); with weights of 1, the plain mean that ``transformers`` computes
-    from ``labels``."""
+    from ``labels``. A batch with no weight left (``--drop-unscored`` can unscore a
+    one-sequence batch whole) gives a zero loss, not 0/0."""
     target = labels[:, 1:]
     weight = weight[:, 1:] * (target != -100)
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), target, reduction="none")
-    return (ce * weight).sum() / weight.sum()
+    return (ce * weight).sum() / weight.sum().clamp(min=1e-6)
 
 
 def _prev_token_head(model: Qwen3ForCausalLM) -> None:
