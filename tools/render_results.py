@@ -570,7 +570,7 @@ LAZY_FOLDERS = {
 @renderer("accuracy-lazy-equal-memory")
 def _lazy_equal_memory(page: Page) -> str:
     """Lazy retention and kara-retain against Kara at the same r, and against the paper's
-    four baselines at equal memory, on both families of the second model (issue 41)."""
+    four baselines at equal memory, on both families of the second model."""
     cols = _columns(page, {"6l": REFERENCE / "6l"}, "reference-forced")
     for label, folder in LAZY_FOLDERS.items():
         for extra in _columns(page, {"6l": folder}, "reference-forced"):
@@ -663,8 +663,8 @@ def _reason_chains(page: Page) -> str:
 OTHER_BASELINES = ("pyramidkv", "snapkv", "adakv", "chunkkv", "kara-topk", "kara-causal")
 TRACE_BASELINES = tuple(m for m in TRACE_METHODS if m != "kara")
 MORE_METHODS = ACCURACY / "tiny-trace-more-methods"
-# Issue 23's methods, the best first at r=0.2 on the test seeds, then Kara.
-ISSUE_23_METHODS = (
+# The further methods, the best first at r=0.2 on the test seeds, then Kara.
+FURTHER_METHODS = (
     "noncausal-attn",
     "kara-vpool",
     "compactor",
@@ -707,7 +707,7 @@ for _name, _render in {
     "accuracy-tiny-trace-free-differences": partial(
         difference_table, folder=TINY_TRACE, family="trace", mode="free", methods=TRACE_BASELINES
     ),
-    "accuracy-more-methods": partial(retention_table, folder=MORE_METHODS / "test", methods=ISSUE_23_METHODS, **_TRACE),
+    "accuracy-more-methods": partial(retention_table, folder=MORE_METHODS / "test", methods=FURTHER_METHODS, **_TRACE),
     "accuracy-bound": partial(retention_table, folder=MORE_METHODS / "test", methods=_BOUND_METHODS, **_TRACE),
 }.items():
     renderer(_name)(_render)
@@ -746,7 +746,7 @@ STAGES = (
 
 @renderer("models-6l-stages")
 def _models_6l_stages(page: Page) -> str:
-    """Issue 22's Full-KV bars for each evaluated stage: free-running, 16 test seeds."""
+    """The second model's Full-KV bars for each evaluated stage: free-running, 16 test seeds."""
     lines = [
         "| checkpoint | family | values read back [95% CI] | off the floor | modal result share "
         "| prompt reads | answer recall / exact match |",
@@ -912,19 +912,21 @@ SOAKS = (
         "kvllm serve, 96-token prefill chunks, shared and block-aligned prefixes, off requests replayed",
         "soak-chunked/soak.md",
     ),
+    ("the same, strict (`KVLLM_STRICT=1`)", "soak-strict/soak.md"),
 )
 SOAK_HEAD = re.compile(r"# Soak: (?P<requests>\d+) requests, (?P<seconds>\d+) s")
 SOAK_COUNTS = re.compile(r"finished (\d+), cancelled (\d+), rejected (\d+), failed (\d+)")
 SOAK_TOTALS = re.compile(r"Over the soak: (\d+) preemptions, (\d+) compression rounds")
 SOAK_RSS = re.compile(r"(python|VLLM::EngineCore|VLLM::Worker)-\d+ ([+-]\d+\.\d)%")
+SOAK_REFUSED = re.compile(r"\| no round refused \(strict\) \| (True|False) \| (\d+) \|")
 
 
 @renderer("serving-soak")
 def _soak(page: Page) -> str:
     lines = [
         "| run | requests | seconds | finished / cancelled / refused / failed | preemptions | rounds "
-        "| blocks back | RSS growth after warm-up: API / EngineCore / worker |",
-        "| --- | ---: | ---: | --- | ---: | ---: | --- | --- |",
+        "| rounds refused | blocks back | RSS growth after warm-up: API / EngineCore / worker |",
+        "| --- | ---: | ---: | --- | ---: | ---: | --- | --- | --- |",
     ]
     paths = []
     for label, name in SOAKS:
@@ -938,10 +940,12 @@ def _soak(page: Page) -> str:
         for process, percent in SOAK_RSS.findall(text):  # the server's process first, then its children
             growth.setdefault(process, percent)
         blocks = "yes" if "| every block back | True |" in text else "no"
+        strict = SOAK_REFUSED.search(text)
+        refused = f"{int(strict[2]):,}, strict" if strict else "not read (not strict)"
         rss = " / ".join(f"{growth[p]}%" for p in ("python", "VLLM::EngineCore", "VLLM::Worker"))
         lines.append(
             f"| {label} | {int(head['requests']):,} | {int(head['seconds']):,} | {counts} | {int(preemptions):,} "
-            f"| {int(rounds):,} | {blocks} | {rss} |"
+            f"| {int(rounds):,} | {refused} | {blocks} | {rss} |"
         )
     return "\n".join(lines) + "\n" + page.source(*paths)
 
