@@ -772,6 +772,40 @@ def _models_6l_stages(page: Page) -> str:
     return "\n".join(lines) + "\n" + page.source(*folders)
 
 
+V3 = Path("training") / "6l-v3"
+STOP_ROW = re.compile(r"^\| (?P<subset>[^|]+) \| (?P<p>[0-9.]+) \| (?P<k>\d+)/(?P<n>\d+) \|$", re.M)
+
+
+@renderer("models-6l-v3-attempts")
+def _models_6l_v3(page: Page) -> str:
+    """Each v3 candidate against its acceptance criteria, on development seeds: its recipe,
+    Full KV's free-running grades on 48 reason tasks, and the stop under dropped keys."""
+    lines = [
+        "| attempt | recipe | tokens | Full KV: statements right / stopped / answers (48 tasks) "
+        "| P(stop), far operand values dropped | P(stop), a random 80% of far keys dropped |",
+        "| --- | --- | ---: | --- | ---: | ---: |",
+    ]
+    sources = []
+    for folder in sorted((page.data / V3).glob("attempt-*")):
+        training = json.loads((folder / "training.json").read_text())
+        args = training["args"]
+        recipe = f"--drop-far {args['drop_far']} from {args['init_from']}"
+        if args.get("drop_unscored") == "True":
+            recipe += ", --drop-unscored"
+        full = next(r for r in map(json.loads, (folder / "dev-full-kv" / "results.jsonl").read_text().splitlines())
+                    if r["method"] == FULL)  # fmt: skip
+        n = full["n"]
+        grades = f"{full['statements']:.3f} / {round(full['stopped'] * n)} / {round(full['answered'] * n)}"
+        stop = {m["subset"]: m for m in STOP_ROW.finditer((folder / "stop_ablation.txt").read_text())}
+        far, rand = stop["far operand values"], stop["a random 80% of far"]
+        lines.append(
+            f"| {folder.name.removeprefix('attempt-')} | {recipe} | {training['train_tokens'] / 1e6:.2f}M | {grades} "
+            f"| {far['p']} ({far['k']}/{far['n']} chains > 0.5) | {rand['p']} |"
+        )
+        sources += [folder / "training.json", folder / "dev-full-kv" / "results.jsonl", folder / "stop_ablation.txt"]
+    return "\n".join(lines) + "\n" + page.source(*sources)
+
+
 @renderer("models-tiny-full-kv")
 def _models_tiny(page: Page) -> str:
     """kara-reasoner-tiny's Full-KV exact match, from the first accuracy grid's Full-KV cells."""
