@@ -792,6 +792,13 @@ def _models_6l_v3(page: Page) -> str:
         recipe = f"--drop-far {args['drop_far']} from {args['init_from']}"
         if args.get("drop_unscored") == "True":
             recipe += ", --drop-unscored"
+        sources.append(folder / "training.json")
+        if not (folder / "stop_ablation.txt").exists():  # trained, not evaluated yet
+            tokens = training["train_tokens"] / 1e6
+            lines.append(
+                f"| {folder.name.removeprefix('attempt-')} | {recipe} | {tokens:.2f}M | not evaluated yet | - | - |"
+            )
+            continue
         full = next(r for r in map(json.loads, (folder / "dev-full-kv" / "results.jsonl").read_text().splitlines())
                     if r["method"] == FULL)  # fmt: skip
         n = full["n"]
@@ -802,7 +809,7 @@ def _models_6l_v3(page: Page) -> str:
             f"| {folder.name.removeprefix('attempt-')} | {recipe} | {training['train_tokens'] / 1e6:.2f}M | {grades} "
             f"| {far['p']} ({far['k']}/{far['n']} chains > 0.5) | {rand['p']} |"
         )
-        sources += [folder / "training.json", folder / "dev-full-kv" / "results.jsonl", folder / "stop_ablation.txt"]
+        sources += [folder / "dev-full-kv" / "results.jsonl", folder / "stop_ablation.txt"]
     return "\n".join(lines) + "\n" + page.source(*sources)
 
 
