@@ -12,6 +12,7 @@ from kvllm.cli.calibrate import calibrate
 from kvllm.cli.evaluate import evaluate
 from kvllm.cli.generate import generate
 from kvllm.cli.serve import serve
+from kvllm.cli.tune import tune
 
 app = typer.Typer(help="KvLLM: reasoning-LLM serving with Kara KV-cache compression.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks (speed targets live here, not in unit tests).", no_args_is_help=True)
@@ -19,6 +20,7 @@ app.add_typer(bench_app, name="bench")
 app.command()(generate)
 app.command("eval")(evaluate)
 app.command()(calibrate)
+app.command()(tune)
 # Unknown flags pass through to vLLM.
 app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, options_metavar="[MODEL] [OPTIONS]"
