@@ -71,7 +71,7 @@ def score(grader: str, prompt: TunePrompt, text: str, full_text: str | None) -> 
     # agreement: Full KV's own answer, where it wrote one; else its whole completion.
     if full_text is None:  # Full KV's run itself
         return 1.0
-    ours, theirs = final_answer(text), final_answer(full_text or "")
+    ours, theirs = final_answer(text), final_answer(full_text)
     return float(ours == theirs) if theirs is not None else float(text == full_text)
 
 
