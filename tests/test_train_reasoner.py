@@ -209,3 +209,17 @@ def test_weighted_loss_of_a_batch_with_no_weight_is_zero_not_nan() -> None:
     loss = train_reasoner.weighted_loss(logits, labels, torch.zeros(1, 4))
     loss.backward()
     assert loss.item() == 0.0 and torch.isfinite(logits.grad).all()
+
+
+def test_far_key_mask_lets_whole_queries_read_every_key() -> None:
+    length, prompt = 40, 10
+    labels = torch.full((2, length), -100)
+    labels[:, prompt:] = 1
+    mask = torch.ones(2, length, dtype=torch.long)
+    whole = torch.zeros(2, length, dtype=torch.bool)
+    whole[:, 35:] = True
+    keep, _ = train_reasoner.far_key_mask(labels, mask, 1.0, 0.0, (5, 5), torch.Generator().manual_seed(0), whole)
+    again, _ = train_reasoner.far_key_mask(labels, mask, 1.0, 0.0, (5, 5), torch.Generator().manual_seed(0))
+    q, k = torch.meshgrid(torch.arange(length), torch.arange(length), indexing="ij")
+    assert keep[:, 0, 35:].equal((k <= q)[35:].expand(2, -1, -1))  # the whole queries: causal only
+    assert keep[:, 0, :35].equal(again[:, 0, :35]) and not again[:, 0, 35:].equal(keep[:, 0, 35:])

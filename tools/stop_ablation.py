@@ -172,6 +172,9 @@ def main(n: int, tail: int, name: str = "kara-reasoner-6l") -> None:
         # The stop is decided at the line end: after `\n` the model writes ` ` (then `</think>`)
         # instead of the next statement's name.
         ids = prompt + chain[: chain.index(end) - 1]
+        if chain.index(end) - 1 <= tail:  # no far key to drop: the whole chain is the tail
+            print(f"seed {problem.uid}: Full KV stopped within {tail} tokens; skipped")
+            continue
         space = chain[chain.index(end) - 1]
         full = prefix_cache(model, ids, tail)
         with torch.no_grad():  # the cache path with nothing dropped must give the full pass's answer

@@ -365,6 +365,7 @@ def far_key_mask(
     clean: float,
     window: tuple[int, int],
     generator: torch.Generator,
+    whole: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A 4D attention mask (``(batch, 1, T, T)``, True where a query reads a key) in which
     each sequence has lost a random share of its generated keys older than a window.
@@ -378,6 +379,9 @@ def far_key_mask(
     are never hidden, as a round never touches the prompt or the protected tail. A model
     trained only on complete contexts learned a stop that fails when a part of the far
     context is gone, while it survives losing all of it (``docs/models.md``, v2).
+
+    ``whole`` (``[batch, T]`` bool) marks queries that read every key anyway
+    (``--drop-answer-whole``: the answer line's).
 
     Returns the mask and which sequences lost keys (``[batch]`` bool): ``--drop-unscored``
     puts no loss on their value digits and answer line, which may read a hidden key.
@@ -393,8 +397,11 @@ def far_key_mask(
     dropped = (torch.rand(batch, length, generator=generator) < rates[:, None]) & (pos >= start[:, None]) & real
     distance = pos[:, None] - pos[None, :]  # query minus key
     far = distance[None] >= windows[:, None, None]
-    keep = (distance >= 0)[None] & real[:, None, :] & ~(dropped[:, None, :] & far)
-    return keep[:, None], (dropped[:, None, :] & far).flatten(1).any(1)
+    hidden = dropped[:, None, :] & far
+    if whole is not None:
+        hidden &= ~whole.bool().cpu()[:, :, None]
+    keep = (distance >= 0)[None] & real[:, None, :] & ~hidden
+    return keep[:, None], hidden.flatten(1).any(1)
 
 
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -561,6 +568,12 @@ def main() -> None:
         help="under --drop-far, no loss on the value digits and answer line of sequences that lost keys",
     )
     p.add_argument(
+        "--drop-answer-whole",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="under --drop-far, the queries that write the answer line read every key",
+    )
+    p.add_argument(
         "--drop-window",
         default="32,192",
         help="LO,HI: the range of the per-sequence window of newest keys that --drop-far never hides",
@@ -682,7 +695,11 @@ def main() -> None:
         input_ids, labels, mask, copy, end, answer = (t.to(args.device, non_blocking=True) for t in batch)
         blind = None
         if args.drop_far:
-            attention, lost = far_key_mask(labels, mask, args.drop_far, args.drop_clean, drop_window, drop_gen)
+            # The query at t writes token t + 1: the answer's writers sit one before it.
+            writers = torch.zeros_like(answer, dtype=torch.bool)
+            writers[:, :-1] = answer[:, 1:].bool()
+            whole = writers if args.drop_answer_whole else None
+            attention, lost = far_key_mask(labels, mask, args.drop_far, args.drop_clean, drop_window, drop_gen, whole)
             attention = attention.to(args.device, non_blocking=True)
             if args.drop_unscored:  # what a sequence that lost keys may not see: its values and answer
                 blind = lost.to(args.device)[:, None] & (torch.isin(labels, digit_ids) | answer)
