@@ -103,3 +103,42 @@ def test_a_new_renderer_takes_a_few_lines(tmp_path: Path) -> None:
         assert "| 1 |\n\nFrom [`docs/results/data/throughput/all4/results.jsonl`]" in page.read_text()
     finally:
         del RENDERERS["test-table"]
+
+
+def test_a_cell_quotes_its_table_and_a_stale_one_fails(tmp_path: Path) -> None:
+    text, readme = _readme_copy(tmp_path)
+    data = tmp_path / "docs" / "results" / "data"
+    quoted = "Kara keeps <!-- cell:summary | `kara@0.2` | statements right -->{}<!-- /cell --> of them."
+    readme.write_text(text + "\n" + quoted.format("0.999") + "\n")
+    (problem,) = run([readme], data, write=False, every_renderer=False)
+    assert "cell 'summary | `kara@0.2` | statements right' differs" in problem and "'0.999'" in problem
+    run([readme], data, write=True, every_renderer=False)
+    assert run([readme], data, write=False, every_renderer=False) == []
+    block = text[text.index("<!-- results:summary -->") : text.index("<!-- /results:summary -->")]
+    row = next(line for line in block.split("\n") if line.startswith("| `kara@0.2` |"))
+    assert quoted.format(row.split("|")[3].split(" [")[0].strip()) in readme.read_text()
+
+
+def test_a_cell_that_names_no_table_cell_is_named(tmp_path: Path) -> None:
+    text, readme = _readme_copy(tmp_path)
+    readme.write_text(text + "\n<!-- cell:summary | `no-such@0.2` | statements right -->1<!-- /cell -->\n")
+    (problem,) = run([readme], tmp_path / "docs" / "results" / "data", write=False, every_renderer=False)
+    assert "names no table cell" in problem
+
+
+def test_a_result_typed_into_prose_fails_and_a_setting_passes(tmp_path: Path) -> None:
+    text, readme = _readme_copy(tmp_path)
+    data = tmp_path / "docs" / "results" / "data"
+    readme.write_text(text + "\nAt r=0.2, `kara@0.5` and a bound of ≥ 0.98, nothing is typed.\n")
+    assert run([readme], data, write=False, every_renderer=False) == []
+    readme.write_text(text + "\nKara keeps 0.31 of the statements and 40% of the goodput.\n")
+    problems = run([readme], data, write=False, every_renderer=False)
+    assert [p.split("result ")[1].split(" typed")[0] for p in problems] == ["'0.31'", "'40%'"]
+
+
+def test_a_cell_picks_a_row_by_several_columns() -> None:
+    table = "| pool | system | goodput |\n| --- | --- | ---: |\n| 8x | a | **1.10x** [1.0-1.2] |\n| 16x | a | 0.90x |\n"
+    assert render_results.table_cell(table, "where pool=16x; system=a", "goodput") == "0.90x"
+    assert render_results.table_cell(table, "where pool=8x; sys=a", "good") == "1.10x"
+    with pytest.raises(KeyError):
+        render_results.table_cell(table, "where system=a", "goodput")  # two rows: ambiguous

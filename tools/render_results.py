@@ -28,6 +28,18 @@ where the table belongs; then run the tool to fill the block in::
 
 :meth:`Page.source` names the files a table comes from, :meth:`Page.image` links a plot
 from wherever the page sits, and the renderers below show the report functions at hand.
+
+Prose quotes a table's number through a cell, which the tool fills in and checks as it
+does a block: the row whose first column reads ROW (or ``where HEADER=VALUE; ...``, the
+row whose cells read so), the column whose header starts with COLUMN, in the table the
+block BLOCK renders (on any page), up to its interval::
+
+    at r=0.2 Kara keeps <!-- cell:summary | `kara@0.2` | statements right -->0.306<!-- /cell -->
+    of Full KV's statements
+
+In README.md and ``docs/results/`` a result number in prose, outside a block, a cell and a
+code span, fails ``--check``: a number typed by hand goes stale unseen. A setting
+(``r=0.2``, ``kara@0.5``) or a bound (``>= 0.98``) is not a result and passes.
 """
 
 from __future__ import annotations
@@ -790,8 +802,9 @@ def _models_6l_v3(page: Page) -> str:
         training = json.loads((folder / "training.json").read_text())
         args = training["args"]
         recipe = f"--drop-far {args['drop_far']} from {args['init_from']}"
-        if args.get("drop_unscored") == "True":
-            recipe += ", --drop-unscored"
+        for flag in ("drop_unscored", "drop_answer_whole"):
+            if args.get(flag) == "True":
+                recipe += ", --" + flag.replace("_", "-")
         sources.append(folder / "training.json")
         if not (folder / "stop_ablation.txt").exists():  # trained, not evaluated yet
             tokens = training["train_tokens"] / 1e6
@@ -827,7 +840,8 @@ def _models_tiny(page: Page) -> str:
 # --- throughput (kvllm bench throughput folders) -----------------------------------------------
 
 THROUGHPUT = Path("throughput")
-# Block name -> the run's folder; docs/results/throughput.md says what each run measured.
+# Block name -> the run's folder; docs/results/throughput.md (and, for the earlier runs, its
+# record in docs/appendix/first-vllm-measurements.md) says what each run measured.
 THROUGHPUT_RUNS = {
     "throughput-kara": "all4",
     "throughput-systems": ".",
@@ -991,6 +1005,64 @@ def _soak(page: Page) -> str:
     return "\n".join(lines) + "\n" + page.source(*paths)
 
 
+RANDOM_WORKLOADS = Path("random-workloads") / "record.jsonl"  # make test-slow's randomized differential
+SHORT_OF_P = (("P-1", 1), ("P-2", 2), ("P-b", 32))  # the probes' prefill chunk ends (block size 32)
+
+
+@renderer("random-workloads")
+def _random_workloads(page: Page) -> str:
+    """The stored run of the randomized scheduler differential: per engine shape, its
+    examples, jobs, comparisons with vanilla vLLM, divergences, rounds and refusals, and
+    how often each probed chunk end happened."""
+    path = page.data / RANDOM_WORKLOADS
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    lines = [
+        "| pool blocks / prefill chunk | examples (seeds) | jobs | compressing | compared with vanilla "
+        "| diverged | rounds | rounds refused | "
+        + " | ".join(f"examples with a chunk ending at {name}" for name, _ in SHORT_OF_P)
+        + " |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in SHORT_OF_P) + " |",
+    ]
+    shapes = sorted({(r["pool_blocks"], r["chunk"]) for r in rows}, key=lambda shape: min(
+        r["seed"] for r in rows if (r["pool_blocks"], r["chunk"]) == shape))  # fmt: skip
+    for shape in [*shapes, None]:
+        group = [r for r in rows if shape is None or (r["pool_blocks"], r["chunk"]) == shape]
+        seeds = sorted(r["seed"] for r in group)
+        label = "all" if shape is None else f"{shape[0]} / {shape[1]}"
+        compressing = sum(r["kinds"][k] for r in group for k in ("kara", "lazy"))
+        short = [sum(n in r["chunk_ends_short"] for r in group) for _, n in SHORT_OF_P]
+        lines.append(
+            f"| {label} | {len(group)} ({seeds[0]}-{seeds[-1]}) | {sum(r['jobs'] for r in group):,} "
+            f"| {compressing:,} | {sum(r['compared_with_vanilla'] for r in group):,} "
+            f"| {sum(r['diverged'] for r in group)} | {sum(r['rounds'] for r in group):,} "
+            f"| {sum(r['rounds_refused'] for r in group)} | " + " | ".join(map(str, short)) + " |"
+        )
+    return "\n".join(lines) + "\n" + page.source(path)
+
+
+TUNE = Path("tune")  # kvllm tune's stored runs: result.json, runs.jsonl, report.md, tune.png
+
+
+def _tune(page: Page, name: str) -> str:
+    """A stored ``kvllm tune`` run as its report prints it: the verdict, then every run."""
+    from kvllm.tune import report
+
+    folder = page.data / TUNE / name
+    result = json.loads((folder / "result.json").read_text())
+    body = report.markdown(result).split("\n", 2)[2]  # its title left out: the guide has its own
+    body = body.replace("![accuracy and goodput against KV held](tune.png)\n", "")
+    return (
+        body.rstrip("\n")
+        + "\n"
+        + page.image(folder / "tune.png", "accuracy and goodput against KV held")
+        + (page.source(folder / "result.json"))
+    )
+
+
+for _name in ("6l-v2-reason", "tiny-prompt-needle", "tiny-agreement"):
+    renderer(f"tune-{_name}")(partial(_tune, name=_name))
+
+
 # --- the pages ---------------------------------------------------------------------------------
 
 MARKER = re.compile(r"^<!-- (?P<end>/?)results:(?P<name>[a-z0-9.-]+) -->$")
@@ -1023,20 +1095,114 @@ def blocks(lines: Sequence[str]) -> tuple[list[Block], list[str]]:
     return found, problems
 
 
+CELL = re.compile(r"<!-- cell:(?P<ref>[^>]*?) -->(?P<value>.*?)<!-- /cell -->")
+# A result typed into prose: a decimal (a trailing x for a ratio) or a percentage. A
+# number right after "=", "@", "/", a comparison or a word character is a setting, a
+# bound or part of a name, not a result.
+PROSE_NUMBER = re.compile(r"(?<![\w.@=/<>≤≥~-])(?<![<>≤≥=] )(?:\d+(?:\.\d+)?%|\d+\.\d+x?(?![\w.]))")
+CODE_SPAN = re.compile(r"`[^`]*`")
+
+
+def checks_prose(path: Path) -> bool:
+    """Whether ``path`` is a page whose prose may hold no hand-typed result."""
+    at_root = path.name == "README.md" and (path.parent / "docs").is_dir()
+    return at_root or (path.parent.name == "results" and path.parent.parent.name == "docs")
+
+
+def table_cell(markdown: str, row: str, column: str) -> str:
+    """The cell of a rendered markdown table at the row whose first column reads ``row``
+    (or, for ``where H1=V1; H2=V2``, whose columns headed H1... read V1...) and the column
+    whose header starts with ``column``, without its emphasis and interval."""
+    tables = [
+        [[c.strip() for c in line.strip().strip("|").split("|")] for line in chunk.strip().split("\n")]
+        for chunk in re.findall(r"(?m)(?:^\|.*\|\s*$\n?)+", markdown)
+    ]
+
+    def index(header: list[str], prefix: str) -> int | None:
+        found = [i for i, h in enumerate(header) if h.startswith(prefix)]
+        return found[0] if len(found) == 1 else None
+
+    for table in tables:
+        header, body = table[0], table[2:]
+        columns = [i for i, h in enumerate(header) if h.startswith(column)]
+        # "where pool=8x; system=`kara@0.2`": the row whose cells read so, for tables whose
+        # first column repeats.
+        wanted = (
+            [c.split("=", 1) for c in row.removeprefix("where ").split(";")]
+            if row.startswith("where ")
+            else [(header[0], row)]
+        )
+        where = [(index(header, h.strip()), v.strip()) for h, v in wanted]
+        if any(i is None for i, _ in where):
+            continue
+        rows = [r for r in body if all(r[i].replace("**", "") == v for i, v in where)]
+        if len(columns) == 1 and len(rows) == 1:
+            return rows[0][columns[0]].split(" [")[0].replace("**", "").strip()
+    raise KeyError(f"no table row {row!r} with one column {column!r}")
+
+
+def prose_numbers(lines: Sequence[str], found: Sequence[Block]) -> list[str]:
+    """A message per result number typed into prose, outside blocks, cells and code."""
+    inside = {i for b in found for i in range(b.start, b.stop + 1)}
+    problems, fence = [], False
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            fence = not fence
+        if fence or i in inside or line.startswith("```"):
+            continue
+        for number in PROSE_NUMBER.findall(CODE_SPAN.sub("", CELL.sub("", line))):
+            problems.append(f"line {i + 1}: result {number!r} typed into prose; quote it as a cell or remove it")
+    return problems
+
+
+def render_cells(
+    lines: list[str], page: Page, renderers: dict[str, Renderer], fresh: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    """``lines`` with every cell filled in from its table, and a message per stale or
+    unknown cell. ``fresh`` caches the blocks rendered so far."""
+    problems = []
+
+    def fill(i: int, match: re.Match) -> str:
+        ref = match["ref"]
+        try:
+            name, row, column = (part.strip() for part in ref.split("|"))
+            if name not in fresh:
+                fresh[name] = renderers[name](page)
+            value = table_cell(fresh[name], row, column)
+        except (ValueError, KeyError) as error:
+            problems.append(f"line {i + 1}: cell {ref!r} names no table cell ({error})")
+            return match[0]
+        if value != match["value"]:
+            problems.append(
+                f"line {i + 1}: cell {ref!r} differs from its stored results: {match['value']!r}, its table {value!r}"
+            )
+        return f"<!-- cell:{ref} -->{value}<!-- /cell -->"
+
+    return [CELL.sub(partial(fill, i), line) for i, line in enumerate(lines)], problems
+
+
 def render_page(path: Path, data: Path, renderers: dict[str, Renderer] = RENDERERS) -> tuple[str, list[str], set]:
-    """The page with every block rendered anew; a message per stale block or bad marker;
-    and the names of the blocks it holds."""
+    """The page with every block and cell rendered anew; a message per stale block or
+    cell, bad marker, or result typed into prose; and the names of the blocks it holds."""
     text = path.read_text()
     lines = text.split("\n")
     found, problems = blocks(lines)
+    if checks_prose(path):
+        problems += prose_numbers(lines, found)
     page = Page(path, data)
+    rendered: dict[str, str] = {}
     out, done = [], 0
     for block in found:
         if block.name not in renderers:
             problems.append(f"block {block.name!r} has no renderer in tools/render_results.py")
             continue
         body = "\n".join(lines[block.start + 1 : block.stop])
-        fresh = renderers[block.name](page).strip("\n")
+        try:
+            rendered[block.name] = renderers[block.name](page)
+        except (OSError, KeyError, ValueError) as error:  # a stored file missing or malformed
+            problems.append(f"block {block.name!r} cannot be rendered from its stored results: {error}")
+            continue
+        fresh = rendered[block.name].strip("\n")
         if body != fresh:
             old, new = [*body.split("\n"), ""], [*fresh.split("\n"), ""]
             first = next(
@@ -1049,7 +1215,8 @@ def render_page(path: Path, data: Path, renderers: dict[str, Renderer] = RENDERE
         out += [*lines[done : block.start + 1], fresh]
         done = block.stop
     out += lines[done:]
-    return "\n".join(out), problems, {b.name for b in found}
+    out, stale = render_cells("\n".join(out).split("\n"), page, renderers, rendered)
+    return "\n".join(out), problems + stale, {b.name for b in found}
 
 
 def pages(root: Path = ROOT) -> list[Path]:

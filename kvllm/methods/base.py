@@ -201,8 +201,9 @@ class Method(ABC):
     def reads_values(self) -> bool:
         """Whether :meth:`select` reads ``Window.values``. A backend may leave them out
         otherwise: the vLLM runner then gathers the keys alone, which spares a round a
-        fifth of its time at qwen3-0.6b-4l's shape with 16 requests (docs/design.md,
-        "What a window carries"). A method that reads them says so here."""
+        fifth of its time at qwen3-0.6b-4l's shape with 16 requests
+        (docs/appendix/method-notes.md, "What a round reads, and what it costs"). A
+        method that reads them says so here."""
         return False
 
     def check_model(self, model_config: Any) -> None:  # noqa: B027 (a hook: most methods fit any model)

@@ -68,8 +68,8 @@ def read_spans(caches: Sequence[Tensor], slots: Tensor, values: bool = True) -> 
 
     With ``values=False`` only the keys are gathered (the values come back ``None``): a
     method that does not read them (``Method.reads_values``) spares a round that copy,
-    a fifth of the round at qwen3-0.6b-4l's shape with 16 requests (docs/design.md,
-    "What a window carries").
+    a fifth of the round at qwen3-0.6b-4l's shape with 16 requests
+    (docs/appendix/method-notes.md, "What a round reads, and what it costs").
     """
     b, span = slots.shape
     # Flat slots: [B, span] slots with B == Hkv would read as per-head rows in `read`.

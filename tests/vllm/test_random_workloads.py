@@ -324,7 +324,8 @@ def check_example(engines: Any, seed: int) -> None:
     expected = run(vanilla, [jobs[i] for i in compared], compressing=False)
     diverged = [i for k, i in enumerate(compared) if not agrees(list(got[i][0].token_ids), expected[k][0])]
     if RECORD:
-        _record(seed, shape, jobs, compared, diverged, sched.kv_totals.rounds - rounds, chunks)
+        counts = (sched.kv_totals.rounds - rounds, sched.kv_totals.rounds_refused - refused)
+        _record(seed, shape, jobs, compared, diverged, counts, chunks)
     assert not diverged, f"seed {seed}: jobs {diverged} differ from vanilla vLLM"
     assert sched.kv_totals.rounds_refused == refused
     # Everything is free again (cached blocks no request holds count as free).
@@ -339,7 +340,7 @@ def _record(
     jobs: list[Job],
     compared: list[int],
     diverged: list[int],
-    rounds: int,
+    counts: tuple[int, int],
     chunks: Any,
 ) -> None:
     """One example's line of the stored record (``KVLLM_RANDOM_RECORD``)."""
@@ -352,7 +353,8 @@ def _record(
         "kinds": {kind: sum(job.kind == kind for job in jobs) for kind in KINDS},
         "compared_with_vanilla": len(compared),
         "diverged": len(diverged),
-        "rounds": rounds,
+        "rounds": counts[0],
+        "rounds_refused": counts[1],
         "aligned_compressing": len(aligned),
         "chunk_ends_short": sorted({s for job in aligned for s in chunks.short[tuple(job.prompt)]}),
     }
