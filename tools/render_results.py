@@ -1063,6 +1063,37 @@ for _name in ("6l-v2-reason", "tiny-prompt-needle", "tiny-agreement"):
     renderer(f"tune-{_name}")(partial(_tune, name=_name))
 
 
+COMPILE = SERVING / "compile-vs-eager"  # python tools/compile_timing.py
+
+
+@renderer("compile-vs-eager")
+def _compile_vs_eager(page: Page) -> str:
+    """Eager against compiled engines: start-up, generation and its speed, per mode."""
+    path = page.data / COMPILE / "results.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+
+    def spread(values: list[float], digits: int = 1) -> str:
+        return f"{statistics.mean(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+    lines = [
+        "| engine | runs | start-up s [min-max] | generation s [min-max] | output tokens/s [min-max] | rounds |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    groups = (
+        ("eager", [r for r in rows if r["mode"] == "eager"]),
+        ("compiled, first start (empty compile cache)", [r for r in rows if r.get("cold_compile_cache")]),
+        ("compiled, later starts", [r for r in rows if r["mode"] == "compiled" and not r.get("cold_compile_cache")]),
+    )
+    for label, group in groups:
+        rate = [r["output_tokens"] / r["generate_s"] for r in group]
+        rounds = sorted({r["rounds"] for r in group})
+        lines.append(
+            f"| {label} | {len(group)} | {spread([r['startup_s'] for r in group])} "
+            f"| {spread([r['generate_s'] for r in group])} | {spread(rate, 0)} | {', '.join(map(str, rounds))} |"
+        )
+    return "\n".join(lines) + "\n" + page.source(path)
+
+
 # --- the pages ---------------------------------------------------------------------------------
 
 MARKER = re.compile(r"^<!-- (?P<end>/?)results:(?P<name>[a-z0-9.-]+) -->$")

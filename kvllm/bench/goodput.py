@@ -278,6 +278,8 @@ def _engine(cell: Cell) -> Any:
         max_num_seqs=cell.concurrency,
         num_gpu_blocks_override=cell.pool_blocks,
         max_model_len=cell.max_model_len,
+        # Every system eager, as in every stored run, so that ratios compare like with like
+        # (compiled decoding is faster: docs/results/serving.md, "Compiled or eager").
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         seed=0,

@@ -195,6 +195,8 @@ def _engine(spec: Spec) -> Any:
         # vLLM's default everywhere but `vanilla`; KvLLM's rows stored before it supported prefix
         # caching were measured with it off (docs/results/throughput.md).
         enable_prefix_caching=spec.system != "vanilla",
+        # Every system eager, as in every stored run, so that ratios compare like with like
+        # (compiled decoding is faster: docs/results/serving.md, "Compiled or eager").
         enforce_eager=True,
         gpu_memory_utilization=0.3,
         seed=0,

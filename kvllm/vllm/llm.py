@@ -69,7 +69,10 @@ def generate(
 ) -> Generation:
     """Generate continuations of ``prompts`` inside vLLM: ``kvllm.hf.generate``'s twin.
 
-    The engine runs in fp32 with eager execution unless ``vllm_kwargs`` say otherwise.
+    The engine runs in fp32 with eager execution unless ``vllm_kwargs`` say otherwise:
+    an engine started for a few prompts spends more compiling than compiled decoding
+    gives back (docs/results/serving.md, "Compiled or eager"); :class:`LLM` itself
+    follows vLLM's default.
     """
     from vllm import SamplingParams
 
