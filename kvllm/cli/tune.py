@@ -43,6 +43,9 @@ def tune(
     ] = None,
     gpu_memory_utilization: Annotated[float, typer.Option(help="vLLM's memory share for the pool.")] = 0.3,
     cap: Annotated[int, typer.Option(help="Tokens a completion may generate.")] = 4096,
+    enforce_eager: Annotated[
+        bool, typer.Option(help="vLLM's flag: run eager, as `kvllm serve --enforce-eager` would (default: compiled).")
+    ] = False,
     min_accuracy: Annotated[float, typer.Option(help="Answers (or agreement) kept, as a share of Full KV's.")] = 0.98,
     min_stop: Annotated[float, typer.Option(help="Stop rate kept, as a share of Full KV's.")] = 0.95,
     max_length_change: Annotated[float, typer.Option(help="Mean chain length's largest change from Full KV's.")] = 0.05,
@@ -92,6 +95,7 @@ def tune(
             pool_blocks=num_gpu_blocks_override,
             memory=gpu_memory_utilization,
             cap=cap,
+            eager=enforce_eager,
             tolerances=Tolerances(min_accuracy, min_stop, max_length_change),
             calibration=None if calibration is None else str(calibration),
         )
@@ -105,7 +109,10 @@ def tune(
             done = bar.tasks[0].completed + (bar.tasks[0].description != "tune")
             bar.update(task, description=label, total=total, completed=done)
 
-        result = run_tune(run, progress=advance)
+        try:
+            result = run_tune(run, progress=advance)
+        except ValueError as err:  # stored runs made under other conditions
+            raise typer.BadParameter(str(err)) from err
     report = write(result, out)
     text = json.dumps(result, indent=1)
     (out / "result.json").write_text(text + "\n")

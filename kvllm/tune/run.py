@@ -84,6 +84,7 @@ class Tune:
     pool_blocks: int | None = None
     memory: float = 0.3
     cap: int = 4096
+    eager: bool = False  # vLLM's enforce_eager; compiled by default, as `kvllm serve` runs
     tolerances: Tolerances = field(default_factory=Tolerances)
     calibration: str | None = None
     dtype: str = "float32"
@@ -100,6 +101,22 @@ class Tune:
         for setting in self.grid():
             setting.config(self.calibration)  # a bad method, retention or window fails here
         object.__setattr__(self, "grader", resolve_grader(self.grader, list(self.prompts)))
+
+    def conditions(self) -> dict[str, Any]:
+        """What every stored run of one output folder must share to be compared: the
+        model, the prompts, the grader, the engine and the cap."""
+        return {
+            "model": self.model,
+            "prompts": [p.uid for p in self.prompts],
+            "grader": self.grader,
+            "concurrency": self.concurrency,
+            "pool_blocks": self.pool_blocks,
+            "memory": self.memory,
+            "cap": self.cap,
+            "eager": self.eager,
+            "dtype": self.dtype,
+            "calibration": self.calibration,
+        }
 
     def setting(self, method: str, retention: float) -> Setting:
         return Setting(method, round(retention, 4), self.window, self.buffer, self.period)
@@ -126,6 +143,7 @@ def serve(tune: Tune, config: CompressionConfig | None) -> dict[str, Any]:
         "max_num_seqs": tune.concurrency,
         "gpu_memory_utilization": tune.memory,
         "max_model_len": longest + tune.cap + 16,
+        "enforce_eager": tune.eager,
         "seed": 0,
     }
     if tune.pool_blocks is not None:
@@ -152,6 +170,15 @@ def run_tune(tune: Tune, progress: Callable[[str, int], None] | None = None, run
     """
     tune.out.mkdir(parents=True, exist_ok=True)
     stored = {row["key"]: row for row in _rows(tune.out)}
+    conditions = tune.conditions()
+    for row in stored.values():
+        if row.get("conditions") != conditions:
+            other = row.get("conditions") or {}
+            changed = sorted(k for k in conditions if other.get(k) != conditions[k])
+            raise ValueError(
+                f"{tune.out / 'runs.jsonl'} holds runs made with another {', '.join(changed)}: they cannot be "
+                "compared with these; give another --out, or delete that folder to start afresh"
+            )
     total = 1 + len(tune.grid()) + tune.bisect * len(tune.methods)
 
     def run(key: str, setting: Setting | None, full: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -165,6 +192,7 @@ def run_tune(tune: Tune, progress: Callable[[str, int], None] | None = None, run
             outcome(tune.grader, p, o, f) for p, o, f in zip(tune.prompts, served["outputs"], fulls, strict=True)
         ]
         row = {"key": key, "setting": None if setting is None else asdict(setting), "seconds": served["seconds"]}
+        row["conditions"] = conditions
         row["records"] = records if setting is None else [_light(r) for r in records]
         _store(tune.out, row, records)
         stored[key] = row

@@ -3,11 +3,13 @@ real run on a tiny model inside vLLM."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from kvllm.cli import app
@@ -57,6 +59,9 @@ def test_search_bisects_and_resumes(tmp_path: Path) -> None:
     again: list[str] = []
     assert run_tune(tune, runner=fake_engine(again, passing_from=0.3)) == result
     assert again == []
+    # Runs made in another pool, or with another cap, cannot be compared: refused, naming what changed.
+    with pytest.raises(ValueError, match="another cap, concurrency"):
+        run_tune(dataclasses.replace(tune, cap=64, concurrency=4), runner=fake_engine(again, passing_from=0.3))
 
 
 def test_no_passing_setting_is_said_plainly(tmp_path: Path) -> None:
@@ -78,6 +83,7 @@ def test_a_small_real_run_inside_vllm(tmp_path: Path) -> None:
     out = tmp_path / "tune"
     args = ["tune", str(model), "--prompts", str(prompts), "--method", "kara", "--retention", "0.5,0.2"]
     args += ["--window", "32", "--buffer", "8", "--period", "4", "--cap", "64", "--bisect", "0", "--out", str(out)]
+    args += ["--enforce-eager"]  # compiling three engines would take longer than their runs
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads((out / "result.json").read_text())
