@@ -75,14 +75,22 @@ def summarize(records: list[dict[str, Any]], full: list[dict[str, Any]]) -> dict
     }
 
 
+def failures(summary: dict[str, Any], tol: Tolerances) -> list[str]:
+    """Each tolerance whose interval's pessimistic end misses it, said with the numbers."""
+    acc, stop, length = summary["accuracy_ratio"], summary["stop_ratio"], summary["length_ratio"]
+    missed = []
+    if acc[1] < tol.accuracy:
+        missed.append(f"answers' 95% bound {acc[1]:.3f} below {tol.accuracy:g}")
+    if stop[1] < tol.stop:
+        missed.append(f"stop rate's 95% bound {stop[1]:.3f} below {tol.stop:g}")
+    if length[1] < 1 - tol.length or length[2] > 1 + tol.length:
+        missed.append(f"length's 95% interval [{length[1]:.3f}-{length[2]:.3f}] outside 1 ± {tol.length:g}")
+    return missed
+
+
 def passes(summary: dict[str, Any], tol: Tolerances) -> bool:
     """The pessimistic end of each interval keeps its tolerance."""
-    return (
-        summary["accuracy_ratio"][1] >= tol.accuracy
-        and summary["stop_ratio"][1] >= tol.stop
-        and 1 - tol.length <= summary["length_ratio"][1]
-        and summary["length_ratio"][2] <= 1 + tol.length
-    )
+    return not failures(summary, tol)
 
 
 def choose(candidates: list[dict[str, Any]], tol: Tolerances) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvllm.tune.choose import Tolerances, failures
+
 
 def _interval(triple: list[float]) -> str:
     value, lo, hi = triple
@@ -29,11 +31,12 @@ def verdict(result: dict[str, Any]) -> str:
     if best is None:
         return "No setting was run."
     s = best["summary"]
+    missed = "; ".join(failures(s, Tolerances(**result["tolerances"])))
     return (
         f"No setting keeps the tolerances on this model ({rule}). The best tried, `{best['flags']}`, keeps "
         f"{s['accuracy_ratio'][1]:.3f} of Full KV's answers at the 95% bound, stops {s['stop_ratio'][0]:.2f} as "
-        f"often, writes {s['length_ratio'][0]:.2f}x as long, holds {s['kv_held']:.2f} of the KV; serve Full KV "
-        "(--kv-compression none), or loosen a tolerance knowing what it costs."
+        f"often, writes {s['length_ratio'][0]:.2f}x as long, holds {s['kv_held']:.2f} of the KV, and misses: "
+        f"{missed}. Serve Full KV (--kv-compression none), or loosen a tolerance knowing what it costs."
     )
 
 

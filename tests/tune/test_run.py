@@ -70,6 +70,8 @@ def test_no_passing_setting_is_said_plainly(tmp_path: Path) -> None:
     # Both lose the same answers: the one of less memory is the best tried.
     assert result["recommended"] is None and result["best_failing"]["key"] == "kara@0.2/128/32/16"
     assert verdict(result).startswith("No setting keeps the tolerances on this model")
+    # It says what the best one misses: half its answers, and chains 1.2x as long.
+    assert "misses: answers' 95% bound" in verdict(result) and "length's 95% interval" in verdict(result)
 
 
 def test_a_small_real_run_inside_vllm(tmp_path: Path) -> None:
