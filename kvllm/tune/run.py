@@ -106,7 +106,7 @@ class Tune:
         """What every stored run of one output folder must share to be compared: the
         model, the prompts, the grader, the engine and the cap."""
         return {
-            "model": self.model,
+            "model": self.name or self.model,  # as the user named it: no path of this machine is stored
             "prompts": [p.uid for p in self.prompts],
             "grader": self.grader,
             "concurrency": self.concurrency,
