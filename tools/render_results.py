@@ -812,17 +812,20 @@ def _models_6l_v3(page: Page) -> str:
                 f"| {folder.name.removeprefix('attempt-')} | {recipe} | {tokens:.2f}M | not evaluated yet | - | - |"
             )
             continue
-        full = next(r for r in map(json.loads, (folder / "dev-full-kv" / "results.jsonl").read_text().splitlines())
-                    if r["method"] == FULL)  # fmt: skip
-        n = full["n"]
-        grades = f"{full['statements']:.3f} / {round(full['stopped'] * n)} / {round(full['answered'] * n)}"
+        cells = folder / "dev-full-kv" / "results.jsonl"
+        grades = "not evaluated yet"
+        if cells.exists():
+            full = next(r for r in map(json.loads, cells.read_text().splitlines()) if r["method"] == FULL)
+            n = full["n"]
+            grades = f"{full['statements']:.3f} / {round(full['stopped'] * n)} / {round(full['answered'] * n)}"
+            sources.append(cells)
         stop = {m["subset"]: m for m in STOP_ROW.finditer((folder / "stop_ablation.txt").read_text())}
         far, rand = stop["far operand values"], stop["a random 80% of far"]
         lines.append(
             f"| {folder.name.removeprefix('attempt-')} | {recipe} | {training['train_tokens'] / 1e6:.2f}M | {grades} "
             f"| {far['p']} ({far['k']}/{far['n']} chains > 0.5) | {rand['p']} |"
         )
-        sources += [folder / "dev-full-kv" / "results.jsonl", folder / "stop_ablation.txt"]
+        sources.append(folder / "stop_ablation.txt")
     return "\n".join(lines) + "\n" + page.source(*sources)
 
 
