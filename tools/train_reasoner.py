@@ -695,10 +695,10 @@ def main() -> None:
         input_ids, labels, mask, copy, end, answer = (t.to(args.device, non_blocking=True) for t in batch)
         blind = None
         if args.drop_far:
-            # The query at t writes token t + 1: the answer's writers sit one before it.
-            writers = torch.zeros_like(answer, dtype=torch.bool)
-            writers[:, :-1] = answer[:, 1:].bool()
-            whole = writers if args.drop_answer_whole else None
+            whole = None
+            if args.drop_answer_whole:  # the query at t writes token t + 1: one before each answer token
+                whole = torch.zeros_like(answer, dtype=torch.bool)
+                whole[:, :-1] = answer[:, 1:].bool()
             attention, lost = far_key_mask(labels, mask, args.drop_far, args.drop_clean, drop_window, drop_gen, whole)
             attention = attention.to(args.device, non_blocking=True)
             if args.drop_unscored:  # what a sequence that lost keys may not see: its values and answer
