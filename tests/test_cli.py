@@ -73,15 +73,19 @@ def test_generate_takes_the_tasks_operator(tiny: Path) -> None:
     assert bad.exit_code != 0 and "Difficulty.op='mul' is invalid" in bad.output
 
 
-def test_the_operator_defaults_to_the_models_own(tiny: Path, tmp_path: Path) -> None:
+def test_the_operator_defaults_to_the_models_own(tiny: Path, tmp_path: Path, capsys) -> None:
     import json
     import shutil
 
     from kvllm.cli.options import trained_op
     from kvllm.eval.tasks import SHIFT
 
-    # No training.json (or one from before --op existed): add, the only operator then.
-    assert trained_op(tiny) == "add"
+    # No training.json (or one from before --op existed): add, the only operator then,
+    # and said so, since a model trained on another operator fails every task silently.
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny, bare, ignore=shutil.ignore_patterns("training.json"))
+    assert trained_op(bare) == "add"
+    assert "no training.json" in capsys.readouterr().out
     shifted = tmp_path / "shifted"
     shutil.copytree(tiny, shifted)
     (shifted / "training.json").write_text(json.dumps({"args": {"op": "shift", "minutes": "1"}}))

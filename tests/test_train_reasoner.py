@@ -223,3 +223,19 @@ def test_far_key_mask_lets_whole_queries_read_every_key() -> None:
     q, k = torch.meshgrid(torch.arange(length), torch.arange(length), indexing="ij")
     assert keep[:, 0, 35:].equal((k <= q)[35:].expand(2, -1, -1))  # the whole queries: causal only
     assert keep[:, 0, :35].equal(again[:, 0, :35]) and not again[:, 0, 35:].equal(keep[:, 0, 35:])
+
+
+def test_every_saved_checkpoint_names_its_operator(tmp_path) -> None:
+    """A periodic save carries the run's arguments, so the commands grade it on the tasks
+    it was trained on; without them a shift-trained model is graded on add tasks."""
+    import argparse
+
+    from kvllm.cli.options import trained_op
+    from kvllm.testing import save_tiny_model
+
+    source = save_tiny_model(tmp_path / "source", seed=0, hidden_size=64, layers=1, heads=2, kv_heads=1, head_dim=32)
+    model = Qwen3ForCausalLM.from_pretrained(source)
+    tok = PreTrainedTokenizerFast.from_pretrained(source)
+    out = tmp_path / "run"
+    train_reasoner._save(model, tok, out, argparse.Namespace(op="shift", minutes=1.0))
+    assert trained_op(out) == "shift"

@@ -472,11 +472,15 @@ def _init(config: Qwen3Config, args: argparse.Namespace, seed: int) -> tuple[Qwe
     return model, opt
 
 
-def _save(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, out: Path) -> None:
+def _save(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, out: Path, args: argparse.Namespace) -> None:
+    """Save the model and a ``training.json`` of the run's arguments, which the run's
+    summary replaces at its end: the commands read the tasks' operator from it (``trained_op``), and a
+    periodic checkpoint without one is graded on ``add`` tasks it never learned."""
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    (out / "training.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}}, indent=2) + "\n")
 
 
 def main() -> None:
@@ -752,13 +756,13 @@ def main() -> None:
             log_copied, log_copies, log_ended, log_ends, log_answered, log_answers = 0, 0, 0, 0, 0, 0
             last_log = time.perf_counter()
         if args.save_every and time.perf_counter() - last_save > 60 * args.save_every:
-            _save(model, tok, args.out)
+            _save(model, tok, args.out, args)
             model.train()
             last_save = time.perf_counter()
 
     wall = time.perf_counter() - start
     batches.close()
-    _save(model, tok, args.out)
+    _save(model, tok, args.out, args)
     summary = {
         "params": n_params,
         "restarts": attempt,

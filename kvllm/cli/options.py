@@ -117,6 +117,9 @@ def trained_op(model: Path | None) -> str:
     """
     summary = model_path(model) / "training.json"
     if not summary.exists():
+        # Said aloud: a checkpoint copied without its summary grades a shift-trained model
+        # on add tasks, where it writes two statements and stops, as a broken model would.
+        console.print(f"[yellow]{summary.parent} has no training.json: the tasks use --op add[/yellow]")
         return "add"
     return json.loads(summary.read_text())["args"].get("op", "add")
 
