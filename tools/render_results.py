@@ -790,42 +790,44 @@ STOP_ROW = re.compile(r"^\| (?P<subset>[^|]+) \| (?P<p>[0-9.]+) \| (?P<k>\d+)/(?
 
 @renderer("models-6l-v3-attempts")
 def _models_6l_v3(page: Page) -> str:
-    """Each v3 candidate against its acceptance criteria, on development seeds: its recipe,
-    Full KV's free-running grades on 48 reason tasks, and the stop under dropped keys."""
+    """Each v3 candidate against its acceptance criteria, on development seeds, below v2 as
+    it ships: the recipe, Full KV's free-running grades on 48 reason tasks, ``random`` at
+    r=0.2's statements right, and the stop under dropped keys."""
     lines = [
-        "| attempt | recipe | tokens | Full KV: statements right / stopped / answers (48 tasks) "
-        "| P(stop), far operand values dropped | P(stop), a random 80% of far keys dropped |",
-        "| --- | --- | ---: | --- | ---: | ---: |",
+        "| model | recipe | tokens | Full KV: statements right / stopped / answers (48 tasks) "
+        "| random r=0.2: statements right | P(stop), far operand values dropped "
+        "| P(stop), a random 80% of far keys dropped |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
     ]
     sources = []
-    for folder in sorted((page.data / V3).glob("attempt-*")):
-        training = json.loads((folder / "training.json").read_text())
-        args = training["args"]
-        recipe = f"--drop-far {args['drop_far']} from {args['init_from']}"
-        for flag in ("drop_unscored", "drop_answer_whole"):
-            if args.get(flag) == "True":
-                recipe += ", --" + flag.replace("_", "-")
-        sources.append(folder / "training.json")
-        if not (folder / "stop_ablation.txt").exists():  # trained, not evaluated yet
-            tokens = training["train_tokens"] / 1e6
-            lines.append(
-                f"| {folder.name.removeprefix('attempt-')} | {recipe} | {tokens:.2f}M | not evaluated yet | - | - |"
-            )
-            continue
-        cells = folder / "dev-full-kv" / "results.jsonl"
-        grades = "not evaluated yet"
+    for folder in [page.data / V3 / "v2", *sorted((page.data / V3).glob("attempt-*"))]:
+        name, recipe, tokens = "v2", "as shipped", "-"
+        if folder.name != "v2":
+            training = json.loads((folder / "training.json").read_text())
+            args = training["args"]
+            recipe = f"--drop-far {args['drop_far']} --drop-clean {args['drop_clean']} from {args['init_from']}"
+            for flag in ("drop_unscored", "drop_answer_whole"):
+                if args.get(flag) == "True":
+                    recipe += ", --" + flag.replace("_", "-")
+            name, tokens = f"attempt {folder.name.removeprefix('attempt-')}", f"{training['train_tokens'] / 1e6:.2f}M"
+            sources.append(folder / "training.json")
+        grades, random = "not evaluated", "-"
+        cells = folder / "dev" / "results.jsonl"
         if cells.exists():
-            full = next(r for r in map(json.loads, cells.read_text().splitlines()) if r["method"] == FULL)
+            rows = {(r["method"], r["retention"]): r for r in map(json.loads, cells.read_text().splitlines())}
+            full = rows[FULL, 1.0]
             n = full["n"]
             grades = f"{full['statements']:.3f} / {round(full['stopped'] * n)} / {round(full['answered'] * n)}"
+            if ("random", 0.2) in rows:
+                random = f"{rows['random', 0.2]['statements']:.3f}"
             sources.append(cells)
-        stop = {m["subset"]: m for m in STOP_ROW.finditer((folder / "stop_ablation.txt").read_text())}
-        far, rand = stop["far operand values"], stop["a random 80% of far"]
-        lines.append(
-            f"| {folder.name.removeprefix('attempt-')} | {recipe} | {training['train_tokens'] / 1e6:.2f}M | {grades} "
-            f"| {far['p']} ({far['k']}/{far['n']} chains > 0.5) | {rand['p']} |"
-        )
-        sources.append(folder / "stop_ablation.txt")
+        far = rand = "-"
+        if (folder / "stop_ablation.txt").exists():
+            stop = {m["subset"]: m for m in STOP_ROW.finditer((folder / "stop_ablation.txt").read_text())}
+            far = "{p} ({k}/{n} chains > 0.5)".format(**stop["far operand values"].groupdict())
+            rand = stop["a random 80% of far"]["p"]
+            sources.append(folder / "stop_ablation.txt")
+        lines.append(f"| {name} | {recipe} | {tokens} | {grades} | {random} | {far} | {rand} |")
     return "\n".join(lines) + "\n" + page.source(*sources)
 
 
