@@ -480,7 +480,8 @@ def _save(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, out: Path, args
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    (out / "training.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}}, indent=2) + "\n")
+    arguments = {"args": {k: str(v) for k, v in vars(args).items()}}
+    (out / "training.json").write_text(json.dumps(arguments, indent=2) + "\n")
 
 
 def main() -> None:
