@@ -304,12 +304,11 @@ def test_two_engines_in_one_process_capture_into_their_own_rings(tiny_model: str
     from tests.vllm.conftest import SHAPE
 
     other = str(save_tiny_model(tmp_path / "other", seed=2, **{**SHAPE, "layers": 3}))
-    small = {"kv_cache_memory_bytes": 1 << 26}  # two engines' pools in one process's memory share
     alone = {}
     for model in (tiny_model, other):
-        with engine(model, KARA, **small) as llm:
+        with engine(model, KARA) as llm:
             alone[model] = token_ids(llm.generate(PROMPTS[:4], greedy(120)))
-    with engine(tiny_model, KARA, **small) as a, engine(other, KARA, **small) as b:
+    with engine(tiny_model, KARA) as a, engine(other, KARA) as b:
         engines = {tiny_model: a.llm.llm_engine, other: b.llm.llm_engine}
         for eng in engines.values():
             for i, p in enumerate(PROMPTS[:4]):
