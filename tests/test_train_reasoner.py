@@ -137,11 +137,32 @@ def test_batches_from_workers_are_batches_of_the_same_kind() -> None:
     assert not warm[-1].any()
 
 
+def test_a_long_share_of_one_gives_only_the_longest_programs() -> None:
+    tok = PreTrainedTokenizerFast.from_pretrained(model_path())
+    name_ids = train_reasoner.name_token_ids(tok)
+    digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
+    statement = re.compile(r"^ [a-z]{2} = [a-z]{2} : [a-z]{2}$", re.MULTILINE)
+    steps = {}
+    for long in (0.0, 1.0):
+        steps[long] = []
+        for seed in range(6):
+            input_ids, labels, mask, *_ = train_reasoner._batch(
+                tok, random.Random(seed), 4096, 1.0, 20, 0.0, 0.0, name_ids, digit_ids,
+                families=("reason",), op="shift", long=long,
+            )  # fmt: skip
+            for row, label, real in zip(input_ids, labels, mask.bool(), strict=True):
+                prompt = tok.decode(row[real & (label == -100)])
+                steps[long].append(len(statement.findall(prompt)))  # the program: a line a step
+    assert set(steps[1.0]) == {20}  # every program of every batch has the level's most steps
+    assert min(steps[0.0]) < 20  # the mixed draw it replaces
+
+
 @pytest.mark.parametrize(
     ("flag", "message"),
     [
         ("--workers=-1", "--workers -1 is invalid: must be >= 0"),
         ("--shuffle-names=1.5", "--shuffle-names 1.5 is invalid: must be in [0, 1]"),
+        ("--long-share=-0.1", "--long-share -0.1 is invalid: must be in [0, 1]"),
     ],
 )
 def test_bad_flags_fail_at_start_naming_the_range(

@@ -809,6 +809,8 @@ def _models_6l_v3(page: Page) -> str:
             for flag in ("drop_unscored", "drop_answer_whole"):
                 if args.get(flag) == "True":
                     recipe += ", --" + flag.replace("_", "-")
+            if float(args.get("long_share", 0)):
+                recipe += f", --long-share {args['long_share']}"
             name, tokens = f"attempt {folder.name.removeprefix('attempt-')}", f"{training['train_tokens'] / 1e6:.2f}M"
             sources.append(folder / "training.json")
         grades, random = "not evaluated", "-"

@@ -124,11 +124,15 @@ def _difficulty(
     (``docs/appendix/training-record.md``).
     """
     top_constants = 3 + round(13 * level)
-    top = 3 + round((top_steps - 3) * level)
-    steps = steps if steps is not None else rng.randint(1, top)
+    steps = steps if steps is not None else rng.randint(1, _longest(level, top_steps))
     constants = rng.randint(2, top_constants)
     # Programs of more than 74 steps (reason's 84) leave fewer names for constants.
     return Difficulty(constants=constants, steps=min(steps, len(NAMES) - constants), depth=rng.random(), op=op)
+
+
+def _longest(level: float, top_steps: int) -> int:
+    """The most steps a program has at curriculum ``level``."""
+    return 3 + round((top_steps - 3) * level)
 
 
 def _recall(rng: random.Random, pairs: int, queries: int) -> tuple[str, str]:
@@ -236,12 +240,14 @@ def _batch(
     families: tuple[str, ...] = TRACE_FAMILIES,
     op: str = "add",
     shuffle: float = 0.0,
+    long: float = 0.0,
 ):
     """Examples up to ``token_budget`` padded tokens; labels only on the target.
 
     A ``recall`` share of the examples are :func:`_recall` ones and a ``drill`` share
     :func:`_drill` ones, as long as the tasks; a ``shuffle`` share of the tasks have their
-    names permuted (:func:`rename`); with ``pairs``, all are recall examples of
+    names permuted (:func:`rename`); a ``long`` share of the batches hold only programs
+    of the level's most steps; with ``pairs``, all are recall examples of
     that many records (the warm-up). Returns ids, labels, attention mask, and where a
     label is one of a task's copies from the prompt, where its end (:func:`copy_spans`)
     and where its answer (the line after the end).
@@ -249,8 +255,14 @@ def _batch(
     rows: list[tuple[list[int], int, str, list[bool], list[bool], list[bool]]] = []
     longest = 0
     line_end = torch.tensor([tok.convert_tokens_to_ids("Ċ"), tok.eos_token_id])
-    # One program length per batch keeps padding (wasted compute) small.
-    steps = _difficulty(rng, level, top_steps=top_steps).steps
+    # One program length per batch keeps padding (wasted compute) small. The longest
+    # programs are the rarest draw, yet every reason task is graded at that length, where
+    # the answer line reads a question more than a thousand tokens back. Only when asked:
+    # a draw here would change the data of runs made without it.
+    if long and rng.random() < long:
+        steps = _longest(level, top_steps)
+    else:
+        steps = _difficulty(rng, level, top_steps=top_steps).steps
     while True:
         d = _difficulty(rng, level, steps, top_steps, op)
         draw = rng.random()
@@ -530,6 +542,12 @@ def main() -> None:
         "--shuffle-names", type=float, default=0.0, help="share of task examples with their names permuted at random"
     )
     p.add_argument(
+        "--long-share",
+        type=float,
+        default=0.0,
+        help="share of batches of programs of the most steps (--top-steps), the length reason tasks are graded at",
+    )
+    p.add_argument(
         "--answer-weight",
         type=float,
         default=1.0,
@@ -592,6 +610,8 @@ def main() -> None:
         p.error(f"--workers {args.workers} is invalid: must be >= 0")
     if not 0.0 <= args.shuffle_names <= 1.0:
         p.error(f"--shuffle-names {args.shuffle_names} is invalid: must be in [0, 1]")
+    if not 0.0 <= args.long_share <= 1.0:
+        p.error(f"--long-share {args.long_share} is invalid: must be in [0, 1]")
     if not 0.0 <= args.drop_far <= 1.0:
         p.error(f"--drop-far {args.drop_far} is invalid: must be in [0, 1]")
     if not 0.0 <= args.drop_clean <= 1.0:
@@ -640,6 +660,7 @@ def main() -> None:
         families=families,
         op=args.op,
         shuffle=args.shuffle_names,
+        long=args.long_share,
     )
     digit_ids, name_ids = digit_ids.to(args.device), name_ids.to(args.device)
     # Its own generator: the batches' data stays that of a run without --drop-far.
