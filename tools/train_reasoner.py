@@ -24,6 +24,7 @@ import random
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -484,16 +485,20 @@ def _init(config: Qwen3Config, args: argparse.Namespace, seed: int) -> tuple[Qwe
     return model, opt
 
 
-def _save(model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, out: Path, args: argparse.Namespace) -> None:
-    """Save the model and a ``training.json`` of the run's arguments, which the run's
-    summary replaces at its end: the commands read the tasks' operator from it (``trained_op``), and a
-    periodic checkpoint without one is graded on ``add`` tasks it never learned."""
+def _save(
+    model: Qwen3ForCausalLM, tok: PreTrainedTokenizerFast, out: Path, args: argparse.Namespace, **stats: Any
+) -> dict[str, Any]:
+    """Save the model and a ``training.json`` of ``stats`` (the run's, at its end) and the
+    run's arguments, returned: the commands read the tasks' operator from it
+    (``trained_op``), and a periodic checkpoint without one is graded on ``add`` tasks it
+    never learned."""
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
-    arguments = {"args": {k: str(v) for k, v in vars(args).items()}}
-    (out / "training.json").write_text(json.dumps(arguments, indent=2) + "\n")
+    summary = {**stats, "args": {k: str(v) for k, v in vars(args).items()}}
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def main() -> None:
@@ -784,17 +789,11 @@ def main() -> None:
 
     wall = time.perf_counter() - start
     batches.close()
-    _save(model, tok, args.out, args)
-    summary = {
-        "params": n_params,
-        "restarts": attempt,
-        "steps": step,
-        "train_tokens": tokens,
-        "train_seconds": round(wall, 1),
-        "tokens_per_second": round(tokens / wall, 1),
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }
-    (args.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary = _save(
+        model, tok, args.out, args,
+        params=n_params, restarts=attempt, steps=step, train_tokens=tokens,
+        train_seconds=round(wall, 1), tokens_per_second=round(tokens / wall, 1),
+    )  # fmt: skip
     print(json.dumps(summary, indent=2), flush=True)
 
 
