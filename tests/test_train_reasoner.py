@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -26,6 +27,12 @@ TARGET = "\n".join(
 )
 
 
+def _vocab() -> tuple[PreTrainedTokenizerFast, torch.Tensor, torch.Tensor]:
+    """The shipped model's tokenizer and the name and digit token ids ``_batch`` takes."""
+    tok = PreTrainedTokenizerFast.from_pretrained(model_path())
+    return tok, train_reasoner.name_token_ids(tok), torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
+
+
 def test_copy_spans_are_a_statements_names_and_the_end_is_its_line() -> None:
     spans, end = train_reasoner.copy_spans(TARGET)
     # The check line's name is a random earlier step: nothing in it is copied.
@@ -38,9 +45,7 @@ def test_copy_spans_are_a_statements_names_and_the_end_is_its_line() -> None:
 
 
 def test_batch_marks_the_copied_tokens_of_tasks_only() -> None:
-    tok = PreTrainedTokenizerFast.from_pretrained(model_path())
-    name_ids = train_reasoner.name_token_ids(tok)
-    digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
+    tok, name_ids, digit_ids = _vocab()
     input_ids, labels, _mask, copy, end, answer = train_reasoner._batch(
         tok, random.Random(3), 4096, 0.3, 48, 0.0, 0.0, name_ids, digit_ids, families=("trace",)
     )
@@ -138,9 +143,7 @@ def test_batches_from_workers_are_batches_of_the_same_kind() -> None:
 
 
 def test_a_long_share_of_one_gives_only_the_longest_programs() -> None:
-    tok = PreTrainedTokenizerFast.from_pretrained(model_path())
-    name_ids = train_reasoner.name_token_ids(tok)
-    digit_ids = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
+    tok, name_ids, digit_ids = _vocab()
     statement = re.compile(r"^ [a-z]{2} = [a-z]{2} : [a-z]{2}$", re.MULTILINE)
     steps = {}
     for long in (0.0, 1.0):
@@ -260,3 +263,7 @@ def test_every_saved_checkpoint_names_its_operator(tmp_path) -> None:
     out = tmp_path / "run"
     train_reasoner._save(model, tok, out, argparse.Namespace(op="shift", minutes=1.0))
     assert trained_op(out) == "shift"
+    # The last save adds the run's statistics beside the arguments.
+    summary = train_reasoner._save(model, tok, out, argparse.Namespace(op="shift", minutes=1.0), steps=3)
+    expected = {"steps": 3, "args": {"op": "shift", "minutes": "1.0"}}
+    assert json.loads((out / "training.json").read_text()) == summary == expected
