@@ -795,9 +795,9 @@ def _models_6l_v3(page: Page) -> str:
     r=0.2's statements right, and the stop under dropped keys."""
     lines = [
         "| model | recipe | tokens | Full KV: statements right / stopped / answers (48 tasks) "
-        "| random r=0.2: statements right | P(stop), far operand values dropped "
-        "| P(stop), a random 80% of far keys dropped |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+        "| Full KV chain tokens (mean) | wrong answers naming the last result | random r=0.2: statements right "
+        "| P(stop), far operand values dropped | P(stop), a random 80% of far keys dropped |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     sources = []
     for folder in [page.data / V3 / "v2", *sorted((page.data / V3).glob("attempt-*"))]:
@@ -813,15 +813,20 @@ def _models_6l_v3(page: Page) -> str:
                 recipe += f", --long-share {args['long_share']}"
             name, tokens = f"attempt {folder.name.removeprefix('attempt-')}", f"{training['train_tokens'] / 1e6:.2f}M"
             sources.append(folder / "training.json")
-        grades, random = "not evaluated", "-"
+        grades, length, last, random = "not evaluated", "-", "-", "-"
         cells = folder / "dev" / "results.jsonl"
         if cells.exists():
             rows = {(r["method"], r["retention"]): r for r in map(json.loads, cells.read_text().splitlines())}
             full = rows[FULL, 1.0]
             n = full["n"]
             grades = f"{full['statements']:.3f} / {round(full['stopped'] * n)} / {round(full['answered'] * n)}"
+            length = f"{full['mean_new_tokens']:.0f}"
+            texts = folder / "dev" / "completions" / "full-r1.0-reason-W128b32.jsonl.gz"
+            last = f"{_names_last_result(full, texts)} of {n - full['correct']}"
+            sources.append(texts)
             if ("random", 0.2) in rows:
-                random = f"{rows['random', 0.2]['statements']:.3f}"
+                cell = rows["random", 0.2]
+                random = f"{cell['statements']:.3f} (W={cell['window']}, b={cell['buffer']})"
             sources.append(cells)
         far = rand = "-"
         if (folder / "stop_ablation.txt").exists():
@@ -829,8 +834,27 @@ def _models_6l_v3(page: Page) -> str:
             far = "{p} ({k}/{n} chains > 0.5)".format(**stop["far operand values"].groupdict())
             rand = stop["a random 80% of far"]["p"]
             sources.append(folder / "stop_ablation.txt")
-        lines.append(f"| {name} | {recipe} | {tokens} | {grades} | {random} | {far} | {rand} |")
+        lines.append(f"| {name} | {recipe} | {tokens} | {grades} | {length} | {last} | {random} | {far} | {rand} |")
     return "\n".join(lines) + "\n" + page.source(*sources)
+
+
+def _names_last_result(cell: dict[str, Any], completions: Path) -> int:
+    """How many of a free cell's wrong answers repeat the chain's last statement result,
+    the miss of a model that reads the last line instead of the question."""
+    import gzip
+
+    from kvllm.eval.lookup import results
+    from kvllm.eval.tasks import extract_answer
+
+    with gzip.open(completions, "rt") as f:
+        texts = [json.loads(line) for line in f]
+    count = 0
+    for problem, right, text in zip(cell["problems"], cell["per_problem"], texts, strict=True):
+        assert problem["uid"] == text["uid"], f"{completions}: completions out of the problems' order"
+        chain = text["text"]
+        written = results(chain)
+        count += bool(not right and written and extract_answer(chain) == chain[written[-1][2] :][:2])
+    return count
 
 
 @renderer("models-tiny-full-kv")
