@@ -370,7 +370,7 @@ def run_grid(
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.jsonl"
     done = load_results(path)
-    _check_model(out_dir, model, stored=bool(done))
+    _check_folder(out_dir, model, problems, stored=bool(done))
     wanted = cells(methods, retentions, list(problems), mode)
     for m in (m for m in SELECTORS if params and params.get(m)):
         raise ValueError(f"the {m} takes no params")
@@ -456,26 +456,47 @@ def model_fingerprint(model) -> str:
     return digest.hexdigest()
 
 
-def _check_model(out_dir: Path, model, stored: bool) -> None:
-    """Refuse to resume ``out_dir`` with another model than the one its cells were run with.
+def _check_folder(out_dir: Path, model, problems: Mapping[str, Sequence[Problem]], stored: bool) -> None:
+    """Refuse to resume ``out_dir`` with another model, or other tasks, than its cells were run with.
 
-    The cell key holds no model, so without this a shipped model retrained in place would
-    resume its predecessor's cells and report them as its own. The first run writes the
-    model's :func:`model_fingerprint` to ``model.json``; a folder of cells from before
-    that file existed has none and is resumed unchecked (and left without one: which
-    model ran it is not known here).
+    The cell key holds neither, so without this a shipped model retrained in place, or
+    a run with another ``--op``, depth or split, would resume the stored cells and report
+    them as its own. The first run writes the model's :func:`model_fingerprint` and each
+    family's :func:`tasks_fingerprint` to ``model.json``; a later run adds the families it
+    brings. A folder of cells from before that file (or its ``tasks``) existed is resumed
+    unchecked and left as it is: what ran it is not known here.
     """
     path = out_dir / MODEL_FILE
     fingerprint = model_fingerprint(model)
-    if path.exists():
-        recorded = json.loads(path.read_text())
-        if recorded["sha256"] != fingerprint:
+    tasks = {family: tasks_fingerprint(family_problems) for family, family_problems in problems.items()}
+    if not path.exists():
+        if not stored:
+            record = {"model": _model_name(model), "sha256": fingerprint, "tasks": tasks}
+            path.write_text(json.dumps(record, indent=2) + "\n")
+        return
+    recorded = json.loads(path.read_text())
+    if recorded["sha256"] != fingerprint:
+        raise StoredCellsMismatch(
+            f"{out_dir} holds cells of another model ({recorded.get('model', '?')}, weights sha256 "
+            f"{recorded['sha256'][:12]}), not of this one ({fingerprint[:12]}): use another output folder"
+        )
+    if "tasks" not in recorded:
+        return
+    for family, digest in tasks.items():
+        if recorded["tasks"].setdefault(family, digest) != digest:
             raise StoredCellsMismatch(
-                f"{out_dir} holds cells of another model ({recorded.get('model', '?')}, weights sha256 "
-                f"{recorded['sha256'][:12]}), not of this one ({fingerprint[:12]}): use another output folder"
+                f"{out_dir} holds {family} cells of other tasks (another operator, depth, split or seeds; "
+                f"sha256 {recorded['tasks'][family][:12]}, not {digest[:12]}): use another output folder"
             )
-    elif not stored:
-        path.write_text(json.dumps({"model": _model_name(model), "sha256": fingerprint}, indent=2) + "\n")
+    path.write_text(json.dumps(recorded, indent=2) + "\n")
+
+
+def tasks_fingerprint(problems: Sequence[Problem]) -> str:
+    """SHA-256 of a family's problems: each one's id, prompt, answer and token budget, in order."""
+    digest = hashlib.sha256()
+    for p in problems:
+        digest.update(json.dumps([p.uid, p.prompt, p.answer, p.max_new_tokens]).encode())
+    return digest.hexdigest()
 
 
 def _model_name(model) -> str:

@@ -94,6 +94,13 @@ def test_eval_tiny_grid_writes_reports_and_resumes(tiny: Path, tmp_path: Path) -
     assert swapped.exit_code != 0
     assert "holds cells of another model" in " ".join(swapped.output.replace("│", " ").split())
     assert (out / "results.jsonl").read_text().splitlines() == lines
+    # Nor do other tasks of the same family (here deeper programs): the folder records them too.
+    assert set(recorded["tasks"]) == {"trace"}
+    steps = args.index("--steps") + 1
+    deeper = CliRunner().invoke(app, [*args[:steps], "7", *args[steps + 1 :]])
+    assert deeper.exit_code != 0
+    assert "holds trace cells of other tasks" in " ".join(deeper.output.replace("│", " ").split())
+    assert (out / "results.jsonl").read_text().splitlines() == lines
 
 
 def test_eval_rejects_bad_grid(tiny: Path, tmp_path: Path) -> None:
