@@ -800,7 +800,8 @@ def _models_6l_v3(page: Page) -> str:
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     sources = []
-    for folder in [page.data / V3 / "v2", *sorted((page.data / V3).glob("attempt-*"))]:
+    attempts = sorted((page.data / V3).glob("attempt-*"), key=lambda f: int(f.name.removeprefix("attempt-")))
+    for folder in [page.data / V3 / "v2", *attempts]:
         name, recipe, tokens = "v2", "as shipped", "-"
         if folder.name != "v2":
             training = json.loads((folder / "training.json").read_text())
