@@ -142,3 +142,20 @@ def test_a_cell_picks_a_row_by_several_columns() -> None:
     assert render_results.table_cell(table, "where pool=8x; sys=a", "good") == "1.10x"
     with pytest.raises(KeyError):
         render_results.table_cell(table, "where system=a", "goodput")  # two rows: ambiguous
+
+
+def test_answer_lines_are_counted_by_the_name_they_report(tmp_path: Path) -> None:
+    """A reason chain's first statement names the asked variable: an answer line naming it
+    counts as naming the question (right or not), one repeating the last result as that miss."""
+    import gzip
+
+    from tools.render_results import _names_asked, _names_last_result
+
+    chain = " aa = la07 : lb = la07 : lb10 = aa17\n bb = aa : lc = aa17 : lc02 = bb19\n </think>\n "
+    texts = {"1": chain + "aa17", "2": chain + "aa18", "3": chain + "bb19", "4": chain + "cc00"}
+    path = tmp_path / "full.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps({"uid": uid, "text": text}) + "\n" for uid, text in texts.items())
+    cell = {"problems": [{"uid": uid} for uid in texts], "per_problem": [True, False, False, False]}
+    assert _names_asked(cell, path) == (2, 1)
+    assert _names_last_result(cell, path) == 1

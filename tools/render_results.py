@@ -795,9 +795,10 @@ def _models_6l_v3(page: Page) -> str:
     r=0.2's statements right, and the stop under dropped keys."""
     lines = [
         "| model | recipe | tokens | Full KV: statements right / stopped / answers (48 tasks) "
-        "| Full KV chain tokens (mean) | wrong answers naming the last result | random r=0.2: statements right "
+        "| Full KV chain tokens (mean) | answers naming the asked variable (of them right) "
+        "| wrong answers naming the last result | random r=0.2: statements right "
         "| P(stop), far operand values dropped | P(stop), a random 80% of far keys dropped |",
-        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     sources = []
     attempts = sorted((page.data / V3).glob("attempt-*"), key=lambda f: int(f.name.removeprefix("attempt-")))
@@ -814,7 +815,7 @@ def _models_6l_v3(page: Page) -> str:
                 recipe += f", --long-share {args['long_share']}"
             name, tokens = f"attempt {folder.name.removeprefix('attempt-')}", f"{training['train_tokens'] / 1e6:.2f}M"
             sources.append(folder / "training.json")
-        grades, length, last, random = "not evaluated", "-", "-", "-"
+        grades, length, asked, last, random = "not evaluated", "-", "-", "-", "-"
         cells = folder / "dev" / "results.jsonl"
         if cells.exists():
             rows = {(r["method"], r["retention"]): r for r in map(json.loads, cells.read_text().splitlines())}
@@ -824,6 +825,7 @@ def _models_6l_v3(page: Page) -> str:
             length = f"{full['mean_new_tokens']:.0f}"
             texts = folder / "dev" / "completions" / "full-r1.0-reason-W128b32.jsonl.gz"
             last = f"{_names_last_result(full, texts)} of {n - full['correct']}"
+            asked = "{} ({})".format(*_names_asked(full, texts))
             sources.append(texts)
             if ("random", 0.2) in rows:
                 cell = rows["random", 0.2]
@@ -835,7 +837,8 @@ def _models_6l_v3(page: Page) -> str:
             far = "{p} ({k}/{n} chains > 0.5)".format(**stop["far operand values"].groupdict())
             rand = stop["a random 80% of far"]["p"]
             sources.append(folder / "stop_ablation.txt")
-        lines.append(f"| {name} | {recipe} | {tokens} | {grades} | {length} | {last} | {random} | {far} | {rand} |")
+        row = [name, recipe, tokens, grades, length, asked, last, random, far, rand]
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n" + page.source(*sources)
 
 
@@ -856,6 +859,28 @@ def _names_last_result(cell: dict[str, Any], completions: Path) -> int:
         written = results(chain)
         count += bool(not right and written and extract_answer(chain) == chain[written[-1][2] :][:2])
     return count
+
+
+def _names_asked(cell: dict[str, Any], completions: Path) -> tuple[int, int]:
+    """How many of a free cell's answer lines name the variable the task asks for, and how
+    many of those are right. A reason task asks for its first statement's variable, so the
+    chain's first statement names it."""
+    import gzip
+
+    from kvllm.eval.lookup import results
+
+    with gzip.open(completions, "rt") as f:
+        texts = [json.loads(line) for line in f]
+    named = right_named = 0
+    for problem, right, text in zip(cell["problems"], cell["per_problem"], texts, strict=True):
+        assert problem["uid"] == text["uid"], f"{completions}: completions out of the problems' order"
+        chain = text["text"]
+        written = results(chain)
+        answer = chain.split("</think>")[-1].split() if "</think>" in chain else []
+        hit = bool(written and answer and answer[0].rstrip("0123456789") == written[0][0])
+        named += hit
+        right_named += hit and right
+    return named, right_named
 
 
 @renderer("models-tiny-full-kv")
