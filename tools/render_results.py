@@ -813,7 +813,12 @@ def _models_6l_v3(page: Page) -> str:
                     recipe += ", --" + flag.replace("_", "-")
             if float(args.get("long_share", 0)):
                 recipe += f", --long-share {args['long_share']}"
+            if float(args.get("answer_weight", 10)) != 10:
+                recipe += f", --answer-weight {args['answer_weight']}"
             name, tokens = f"attempt {folder.name.removeprefix('attempt-')}", f"{training['train_tokens'] / 1e6:.2f}M"
+            if mix := training.get("interpolation"):  # no training of its own: two checkpoints' weights mixed
+                recipe = f"{1 - mix['alpha']:g} x {mix['base']} + {mix['alpha']:g} x {mix['tuned']} (weights)"
+                tokens = "-"
             sources.append(folder / "training.json")
         grades, length, asked, last, random = "not evaluated", "-", "-", "-", "-"
         cells = folder / "dev" / "results.jsonl"
