@@ -149,7 +149,7 @@ def test_answer_lines_are_counted_by_the_name_they_report(tmp_path: Path) -> Non
     counts as naming the question (right or not), one repeating the last result as that miss."""
     import gzip
 
-    from tools.render_results import _names_asked, _names_last_result
+    from tools.render_results import _answer_lines
 
     chain = " aa = la07 : lb = la07 : lb10 = aa17\n bb = aa : lc = aa17 : lc02 = bb19\n </think>\n "
     texts = {"1": chain + "aa17", "2": chain + "aa18", "3": chain + "bb19", "4": chain + "cc00"}
@@ -157,5 +157,4 @@ def test_answer_lines_are_counted_by_the_name_they_report(tmp_path: Path) -> Non
     with gzip.open(path, "wt") as f:
         f.writelines(json.dumps({"uid": uid, "text": text}) + "\n" for uid, text in texts.items())
     cell = {"problems": [{"uid": uid} for uid in texts], "per_problem": [True, False, False, False]}
-    assert _names_asked(cell, path) == (2, 1)
-    assert _names_last_result(cell, path) == 1
+    assert _answer_lines(cell, path) == (2, 1, 1)

@@ -829,8 +829,8 @@ def _models_6l_v3(page: Page) -> str:
             grades = f"{full['statements']:.3f} / {round(full['stopped'] * n)} / {round(full['answered'] * n)}"
             length = f"{full['mean_new_tokens']:.0f}"
             texts = folder / "dev" / "completions" / "full-r1.0-reason-W128b32.jsonl.gz"
-            last = f"{_names_last_result(full, texts)} of {n - full['correct']}"
-            asked = "{} ({})".format(*_names_asked(full, texts))
+            named, right_named, last_result = _answer_lines(full, texts)
+            asked, last = f"{named} ({right_named})", f"{last_result} of {n - full['correct']}"
             sources.append(texts)
             if ("random", 0.2) in rows:
                 cell = rows["random", 0.2]
@@ -847,45 +847,30 @@ def _models_6l_v3(page: Page) -> str:
     return "\n".join(lines) + "\n" + page.source(*sources)
 
 
-def _names_last_result(cell: dict[str, Any], completions: Path) -> int:
-    """How many of a free cell's wrong answers repeat the chain's last statement result,
-    the miss of a model that reads the last line instead of the question."""
+def _answer_lines(cell: dict[str, Any], completions: Path) -> tuple[int, int, int]:
+    """A free cell's answer lines, read once from its stored completions: how many name
+    the variable the task asks for, how many of those are right, and how many wrong ones
+    repeat the chain's last statement result (the miss of a model that reads the last
+    line instead of the question). A reason task asks for its first statement's
+    variable, so the chain's first statement names it."""
     import gzip
 
     from kvllm.eval.lookup import results
-    from kvllm.eval.tasks import extract_answer
+    from kvllm.eval.tasks import END_THINK, extract_answer
 
     with gzip.open(completions, "rt") as f:
         texts = [json.loads(line) for line in f]
-    count = 0
+    named = right_named = last = 0
     for problem, right, text in zip(cell["problems"], cell["per_problem"], texts, strict=True):
         assert problem["uid"] == text["uid"], f"{completions}: completions out of the problems' order"
         chain = text["text"]
         written = results(chain)
-        count += bool(not right and written and extract_answer(chain) == chain[written[-1][2] :][:2])
-    return count
-
-
-def _names_asked(cell: dict[str, Any], completions: Path) -> tuple[int, int]:
-    """How many of a free cell's answer lines name the variable the task asks for, and how
-    many of those are right. A reason task asks for its first statement's variable, so the
-    chain's first statement names it."""
-    import gzip
-
-    from kvllm.eval.lookup import results
-
-    with gzip.open(completions, "rt") as f:
-        texts = [json.loads(line) for line in f]
-    named = right_named = 0
-    for problem, right, text in zip(cell["problems"], cell["per_problem"], texts, strict=True):
-        assert problem["uid"] == text["uid"], f"{completions}: completions out of the problems' order"
-        chain = text["text"]
-        written = results(chain)
-        answer = chain.split("</think>")[-1].split() if "</think>" in chain else []
+        answer = chain.split(END_THINK)[-1].split() if END_THINK in chain else []
         hit = bool(written and answer and answer[0].rstrip("0123456789") == written[0][0])
         named += hit
         right_named += hit and right
-    return named, right_named
+        last += bool(not right and written and extract_answer(chain) == chain[written[-1][2] :][:2])
+    return named, right_named, last
 
 
 @renderer("models-tiny-full-kv")

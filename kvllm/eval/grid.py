@@ -483,12 +483,14 @@ def _check_folder(out_dir: Path, model, problems: Mapping[str, Sequence[Problem]
     if "tasks" not in recorded:
         return
     for family, digest in tasks.items():
-        if recorded["tasks"].setdefault(family, digest) != digest:
+        if recorded["tasks"].get(family, digest) != digest:
             raise StoredCellsMismatch(
                 f"{out_dir} holds {family} cells of other tasks (another operator, depth, split or seeds; "
                 f"sha256 {recorded['tasks'][family][:12]}, not {digest[:12]}): use another output folder"
             )
-    path.write_text(json.dumps(recorded, indent=2) + "\n")
+    if not tasks.keys() <= recorded["tasks"].keys():  # a family new to the folder
+        recorded["tasks"] |= tasks
+        path.write_text(json.dumps(recorded, indent=2) + "\n")
 
 
 def tasks_fingerprint(problems: Sequence[Problem]) -> str:
