@@ -86,6 +86,8 @@ def test_a_small_real_run_inside_vllm(tmp_path: Path) -> None:
     args = ["tune", str(model), "--prompts", str(prompts), "--method", "kara", "--retention", "0.5,0.2"]
     args += ["--window", "32", "--buffer", "8", "--period", "4", "--cap", "64", "--bisect", "0", "--out", str(out)]
     args += ["--enforce-eager"]  # compiling three engines would take longer than their runs
+    # A pool of 128 blocks, not a share of the machine, which vLLM zeroes at each engine start.
+    args += ["--num-gpu-blocks-override", "128"]
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads((out / "result.json").read_text())
