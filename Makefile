@@ -30,9 +30,10 @@ demo: $(STAMP)
 		--method none --max-new-tokens 1500
 	$(VENV)/bin/kvllm generate --model kara-reasoner-6l --task reason --n-tasks 2 --backend vllm \
 		--method kara --retention 0.2 --max-new-tokens 1500
-	# 2. `kvllm serve` (vLLM's OpenAI server with Kara) on the same model: one held-out
-	#    reason task through the openai client, with compression off for that request and
-	#    then with Kara, each graded, with the server's kvllm:* metrics.
+	# 2. `kvllm serve` (vLLM's OpenAI server with Kara, in vLLM's default compile mode) on
+	#    the same model: one held-out reason task through the openai client, with
+	#    compression off for that request and then with Kara, each graded, with the
+	#    server's kvllm:* metrics.
 	$(PY) tools/demo_serve.py
 
 lint: $(STAMP)

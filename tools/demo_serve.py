@@ -1,4 +1,4 @@
-"""Demo: start `kvllm serve` on a model, ask one held-out reason task through the openai
+"""Demo: start `kvllm serve` on a model (compiled, vLLM's default), ask one held-out reason task through the openai
 client twice, with compression off for that request (``{"kvllm": {"off": true}}``) and
 with the server's Kara, grade each chain, print it with its compression statistics, and
 stop the server.
@@ -29,8 +29,10 @@ PORT = 8765
 
 def main() -> None:
     model = sys.argv[1] if len(sys.argv) > 1 else str(model_path("kara-reasoner-6l"))
+    # vLLM's default compile mode, as `kvllm serve` runs without --enforce-eager: the
+    # server compiles the model before it answers.
     flags = ["--kv-retention", "0.2", "--kv-window", "128", "--dtype", "float32", "--max-model-len", "4096"]
-    flags += ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
+    flags += ["--gpu-memory-utilization", "0.3"]
     if not AutoTokenizer.from_pretrained(model).chat_template:
         # A chat turn is a task prompt; the template appends the thinking marker.
         flags += ["--chat-template", CHAT_TEMPLATE]
