@@ -45,7 +45,8 @@ test: lint
 	$(PY) tools/render_results.py --check
 	$(PY) -m pytest -q -m "not slow"
 
-# The end-to-end benchmark runs and the scale-out servers `make test` leaves out.
+# What `make test` leaves out: the end-to-end benchmark runs, the scale-out servers and
+# the README's serving line run as written.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 

@@ -1,12 +1,20 @@
 """Engines for the vLLM backend tests: in-process (so that the scheduler and the worker
-can be inspected), fp32, on a small random-weight Qwen3 built here."""
+can be inspected), fp32, on a small random-weight Qwen3 built here; and the servers that
+a module's tests share."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import shutil
+import socket
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,9 +45,18 @@ BASE = {
 PROMPTS = [f"let v{i} = {7 * i % 100} and v{i + 1} = {i}, then compute the sum of v{i}" for i in range(32)]
 
 
+@functools.cache
+def tiny_model_path(config: pytest.Config) -> str:
+    """The tiny model, saved once per session; outside a fixture, so that the shared
+    servers can start on it as soon as collection ends."""
+    folder = Path(tempfile.mkdtemp(prefix="kvllm-tests-"))
+    config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    return str(save_tiny_model(folder / "tiny-vllm", seed=1, **SHAPE))
+
+
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-vllm"), seed=1, **SHAPE))
+def tiny_model(pytestconfig: pytest.Config) -> str:
+    return tiny_model_path(pytestconfig)
 
 
 @contextmanager
@@ -83,3 +100,66 @@ def serving(process: Any, base: str, log: Any) -> Iterator[str]:
         yield base
     finally:
         stop(process)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class SharedServer:
+    """A server on the tiny model that the tests of one module share, through the fixture
+    named ``fixture``.
+
+    Before a server answers, three processes import vLLM in turn (about 45 s on two
+    cores), and an idle server takes no CPU. So every shared server a selected test needs
+    starts as soon as collection ends (``pytest_collection_finish``), while the modules
+    before its own run, and stops when its module is done, or else at the session's end.
+    """
+
+    fixture: str
+    flags: list[str]
+    vllm: bool = False  # vLLM's own API server, not `kvllm serve`
+    drop_env: tuple[str, ...] = ("VLLM_ENABLE_V1_MULTIPROCESSING",)
+    process: subprocess.Popen | None = field(default=None, init=False)
+    base: str = field(default="", init=False)
+    log: Path | None = field(default=None, init=False)
+
+    def start(self, model: str) -> None:
+        from kvllm.vllm.launch import start_server
+
+        if self.process is not None:
+            return
+        self.log = Path(model).parent / f"{self.fixture}.log"
+        env = {k: v for k, v in os.environ.items() if k not in self.drop_env}
+        self.process, self.base = start_server(model, free_port(), self.flags, log=self.log, env=env, vllm=self.vllm)
+        _STARTED.append(self)
+
+    @contextmanager
+    def serving(self, model: str) -> Iterator[str]:
+        self.start(model)
+        with serving(self.process, self.base, self.log) as url:
+            yield url
+
+
+_STARTED: list[SharedServer] = []
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        server = getattr(getattr(item, "module", None), "SERVER", None)
+        if isinstance(server, SharedServer) and server.fixture in getattr(item, "fixturenames", ()):
+            server.start(tiny_model_path(session.config))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop what an interrupted or failed-early session left running."""
+    from kvllm.vllm.launch import stop
+
+    for server in _STARTED:
+        if server.process is not None and server.process.poll() is None:
+            stop(server.process)

@@ -16,9 +16,8 @@ import openai
 import pytest
 
 from kvllm.vllm.engine import API_SERVER_MODULE, scheduler_of, shutdown
-from kvllm.vllm.launch import start_server
-from tests.vllm.conftest import PROMPTS, greedy, serving
-from tests.vllm.test_server import TEMPLATE, _free_port
+from tests.vllm.conftest import PROMPTS, SharedServer, free_port, greedy
+from tests.vllm.test_server import TEMPLATE
 
 KVLLM = {"window": 32, "buffer": 8, "period": 4, "retention": 0.25}
 SCHEDULER = "kvllm.vllm.scheduler.CompressingScheduler"
@@ -79,16 +78,19 @@ def _flags(kvllm: object) -> list[str]:
     return [*flags, "--chat-template", TEMPLATE]
 
 
+DROP_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "KVLLM_SERVE_CONFIG", "KVLLM_METRICS_DIR")
+
+
 def _env() -> dict[str, str]:
-    drop = ("VLLM_ENABLE_V1_MULTIPROCESSING", "KVLLM_SERVE_CONFIG", "KVLLM_METRICS_DIR")
-    return {k: v for k, v in os.environ.items() if k not in drop}
+    return {k: v for k, v in os.environ.items() if k not in DROP_ENV}
+
+
+SERVER = SharedServer("vllm_server", _flags(KVLLM), vllm=True, drop_env=DROP_ENV)
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    process, base = start_server(tiny_model, _free_port(), _flags(KVLLM), log=log, env=_env(), vllm=True)
-    with serving(process, base, log) as url:
+def vllm_server(tiny_model: str) -> Iterator[str]:
+    with SERVER.serving(tiny_model) as url:
         yield url
 
 
@@ -124,7 +126,7 @@ def test_vllm_api_server_with_only_vllm_flags(vllm_server: str, tiny_model: str)
 
 def test_vllm_api_server_refuses_a_malformed_kvllm_config(tiny_model: str) -> None:
     args = [sys.executable, "-m", API_SERVER_MODULE, "--model", tiny_model, *_flags({**KVLLM, "windw": 64})]
-    args += ["--port", str(_free_port()), "--host", "127.0.0.1"]
+    args += ["--port", str(free_port()), "--host", "127.0.0.1"]
     result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode != 0
     assert "ValueError: additional_config.kvllm has unknown field(s) ['windw']" in result.stdout + result.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,20 +17,13 @@ import pytest
 from kvllm.assets import model_path
 from kvllm.config import CompressionConfig
 from kvllm.vllm.launch import start_server
-from tests.vllm.conftest import PROMPTS, engine, greedy, serving
+from tests.vllm.conftest import PROMPTS, SharedServer, engine, free_port, greedy, serving
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 FLAGS = ["--kv-window", "32", "--kv-buffer", "8", "--kv-period", "4", "--kv-retention", "0.25"]
 FLAGS += ["--dtype", "float32", "--block-size", "32", "--max-model-len", "512", "--enforce-eager"]
-FLAGS += ["--gpu-memory-utilization", "0.3", "--num-gpu-blocks-override", "128", "--max-num-seqs", "32"]
+FLAGS += ["--kv-cache-memory-bytes", "67108864", "--num-gpu-blocks-override", "128", "--max-num-seqs", "32"]
 FLAGS += ["--chat-template", TEMPLATE]
 # The tiny-prompt guard is on by default only on AMX CPUs (server.tiny_prompt_guard): set
 # it here so that it is tested on every machine.
@@ -42,11 +34,12 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
 
 
+SERVER = SharedServer("server", FLAGS)
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("serve") / "server.log"
-    process, base = start_server(tiny_model, _free_port(), FLAGS, log=log, env=_env())
-    with serving(process, base, log) as url:
+def server(tiny_model: str) -> Iterator[str]:
+    with SERVER.serving(tiny_model) as url:
         yield url
 
 
@@ -197,14 +190,20 @@ def _readme_serve_lines() -> list[list[str]]:
     return [line.split() for line in lines]
 
 
+@pytest.mark.slow
 def test_the_readmes_serve_line_as_written_answers(tmp_path: Path) -> None:
     """The README's serving line, no model, no memory share: it must start and answer. Only
-    the port is swapped for a free one; the memory share is kvllm serve's own choice."""
+    the port is swapped for a free one; the memory share is kvllm serve's own choice.
+
+    Slow (two minutes: it compiles, and zeroes most of the machine's memory); by default
+    its parts are checked apart: the line's flags against the CLI (test_cli_docs), the
+    default model and memory share (test_settings), compiled equals eager
+    (test_compile), and `make demo` serves the shipped model compiled."""
     flags = max(_readme_serve_lines(), key=len)
     if "--port" in flags:
-        flags[flags.index("--port") + 1] = str(_free_port())
+        flags[flags.index("--port") + 1] = str(free_port())
     else:
-        flags += ["--port", str(_free_port())]
+        flags += ["--port", str(free_port())]
     port = flags[flags.index("--port") + 1]
     log = tmp_path / "server.log"
     process = subprocess.Popen(
@@ -386,7 +385,7 @@ def test_metrics_with_two_api_servers(tiny_model: str, tmp_path: Path) -> None:
     once, not summed over the API servers)."""
     log = tmp_path / "server.log"
     flags = [*FLAGS, "--api-server-count", "2"]
-    process, base = start_server(tiny_model, _free_port(), flags, log=log, env=_env())
+    process, base = start_server(tiny_model, free_port(), flags, log=log, env=_env())
     with serving(process, base, log) as url:
         # vLLM accepts a new connection in the least loaded API server, so two connections
         # held open land on the two servers; the fresh ones may go to either.
@@ -426,7 +425,7 @@ def test_data_parallel_engines_each_serve_and_compress(tiny_model: str, tmp_path
     both engines' rounds."""
     log = tmp_path / "server.log"
     flags = [*FLAGS, "--data-parallel-size", "2"]
-    process, base = start_server(tiny_model, _free_port(), flags, log=log, env=_env())
+    process, base = start_server(tiny_model, free_port(), flags, log=log, env=_env())
     body = {"model": tiny_model, "max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
 
     async def main(url: str) -> list[dict]:
