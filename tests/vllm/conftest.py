@@ -111,12 +111,13 @@ def free_port() -> int:
 @dataclass
 class SharedServer:
     """A server on the tiny model that the tests of one module share, through the fixture
-    named ``fixture``.
+    named ``fixture`` (or one that a test expects to refuse to start).
 
     Before a server answers, three processes import vLLM in turn (about 45 s on two
     cores), and an idle server takes no CPU. So every shared server a selected test needs
-    starts as soon as collection ends (``pytest_collection_finish``), while the modules
-    before its own run, and stops when its module is done, or else at the session's end.
+    starts as soon as collection ends (``pytest_collection_finish``), at the lowest CPU
+    priority so that it takes only what the modules running before its own leave idle, and
+    stops when its module is done, or else at the session's end.
     """
 
     fixture: str
@@ -135,6 +136,7 @@ class SharedServer:
         self.log = Path(model).parent / f"{self.fixture}.log"
         env = {k: v for k, v in os.environ.items() if k not in self.drop_env}
         self.process, self.base = start_server(model, free_port(), self.flags, log=self.log, env=env, vllm=self.vllm)
+        os.setpriority(os.PRIO_PROCESS, self.process.pid, 19)  # the engine processes it spawns inherit it
         _STARTED.append(self)
 
     @contextmanager
@@ -151,9 +153,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     for item in session.items:
-        server = getattr(getattr(item, "module", None), "SERVER", None)
-        if isinstance(server, SharedServer) and server.fixture in getattr(item, "fixturenames", ()):
-            server.start(tiny_model_path(session.config))
+        for server in vars(getattr(item, "module", None) or object).values():
+            if isinstance(server, SharedServer) and server.fixture in getattr(item, "fixturenames", ()):
+                server.start(tiny_model_path(session.config))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

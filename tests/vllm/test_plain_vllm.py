@@ -5,18 +5,15 @@ runs). The plugin loads through its entry point; nothing of kvllm's front end is
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
-from kvllm.vllm.engine import API_SERVER_MODULE, scheduler_of, shutdown
-from tests.vllm.conftest import PROMPTS, SharedServer, free_port, greedy
+from kvllm.vllm.engine import scheduler_of, shutdown
+from tests.vllm.conftest import PROMPTS, SharedServer, greedy
 from tests.vllm.test_server import TEMPLATE
 
 KVLLM = {"window": 32, "buffer": 8, "period": 4, "retention": 0.25}
@@ -81,10 +78,6 @@ def _flags(kvllm: object) -> list[str]:
 DROP_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "KVLLM_SERVE_CONFIG", "KVLLM_METRICS_DIR")
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in DROP_ENV}
-
-
 SERVER = SharedServer("vllm_server", _flags(KVLLM), vllm=True, drop_env=DROP_ENV)
 
 
@@ -124,10 +117,17 @@ def test_vllm_api_server_with_only_vllm_flags(vllm_server: str, tiny_model: str)
     assert bad.status_code == 400 and "retention=0" in bad.json()["error"]["message"]
 
 
-def test_vllm_api_server_refuses_a_malformed_kvllm_config(tiny_model: str) -> None:
-    args = [sys.executable, "-m", API_SERVER_MODULE, "--model", tiny_model, *_flags({**KVLLM, "windw": 64})]
-    args += ["--port", str(free_port()), "--host", "127.0.0.1"]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300, env=_env())
-    assert result.returncode != 0
-    assert "ValueError: additional_config.kvllm has unknown field(s) ['windw']" in result.stdout + result.stderr
-    assert "EngineCore" not in result.stdout + result.stderr  # refused before an engine process started
+REFUSED = SharedServer("refused_output", _flags({**KVLLM, "windw": 64}), vllm=True, drop_env=DROP_ENV)
+
+
+@pytest.fixture(scope="module")
+def refused_output(tiny_model: str) -> str:
+    """What vLLM's API server printed as it exited, given a malformed kvllm config."""
+    REFUSED.start(tiny_model)
+    assert REFUSED.process.wait(timeout=300) != 0
+    return REFUSED.log.read_text()
+
+
+def test_vllm_api_server_refuses_a_malformed_kvllm_config(refused_output: str) -> None:
+    assert "ValueError: additional_config.kvllm has unknown field(s) ['windw']" in refused_output
+    assert "EngineCore" not in refused_output  # refused before an engine process started
