@@ -8,7 +8,6 @@ import functools
 import gc
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # A round that would rewrite a shared or cached block raises instead of being skipped.
 os.environ.setdefault("KVLLM_STRICT", "1")
 
+from kvllm.bench.common import free_port
 from kvllm.config import CompressionConfig
 from kvllm.testing import save_tiny_model
 from kvllm.vllm.engine import shutdown
@@ -102,12 +102,6 @@ def serving(process: Any, base: str, log: Any) -> Iterator[str]:
         stop(process)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class SharedServer:
     """A server on the tiny model that the tests of one module share, through the fixture
@@ -153,8 +147,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     for item in session.items:
-        for server in vars(getattr(item, "module", None) or object).values():
-            if isinstance(server, SharedServer) and server.fixture in getattr(item, "fixturenames", ()):
+        module = getattr(item, "module", None)
+        servers = [v for v in vars(module).values() if isinstance(v, SharedServer)] if module else []
+        for server in servers:
+            if server.fixture in getattr(item, "fixturenames", ()):
                 server.start(tiny_model_path(session.config))
 
 

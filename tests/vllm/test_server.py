@@ -15,9 +15,10 @@ import openai
 import pytest
 
 from kvllm.assets import model_path
+from kvllm.bench.common import free_port
 from kvllm.config import CompressionConfig
 from kvllm.vllm.launch import start_server
-from tests.vllm.conftest import PROMPTS, SharedServer, engine, free_port, greedy, serving
+from tests.vllm.conftest import PROMPTS, SharedServer, engine, greedy, serving
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
